@@ -1,0 +1,33 @@
+# Two commands on a fresh machine with Python 3.11 and pip:  `make run` (the default job) and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+
+.PHONY: install run test test-fast bench bench-quick clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build (see shared/ENVIRONMENT.md)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(PY) -m workbench
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench: install
+	$(PY) -m benchmarks
+
+bench-quick: install
+	$(PY) -m benchmarks --quick
+
+clean:
+	rm -rf $(VENV) outputs multirun mlflow.db

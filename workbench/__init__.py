@@ -1,0 +1,1 @@
+"""workbench: experiment-tracked, distributed differentially private training in PyTorch."""

@@ -1,0 +1,79 @@
+"""Checkpoints: atomic save (temp file + rename), rotation, safe load (weights_only=True), resume lookup."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workbench.errors import WorkbenchError
+
+PREFIX = "checkpoint-"
+_STEP = re.compile(rf"^{PREFIX}(\d+)\.pt$")
+
+
+def checkpoint_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Checkpoints under output_dir, oldest step first."""
+    return _in_folder(checkpoint_dir(output_dir))
+
+
+def _in_folder(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def save(state: dict[str, Any], output_dir: str | Path, step: int, save_total_limit: int | None) -> Path:
+    """Write checkpoint-<step>.pt atomically; keep only the newest `save_total_limit`."""
+    folder = checkpoint_dir(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{PREFIX}{step}.pt"
+    tmp = folder / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        torch.save(state, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if save_total_limit is not None:
+        for old in list_checkpoints(output_dir)[:-save_total_limit]:
+            old.unlink(missing_ok=True)
+    return path
+
+
+def resolve(resume_from: str, output_dir: str | Path) -> Path | None:
+    """`latest` -> newest checkpoint under output_dir (None when there is none yet); a path must exist."""
+    if resume_from == "latest":
+        found = list_checkpoints(output_dir)
+        return found[-1] if found else None
+    path = Path(resume_from).expanduser()
+    if path.is_dir():
+        found = list_checkpoints(path) or _in_folder(path)  # a run folder, or its checkpoints/ folder
+        if not found:
+            raise WorkbenchError(f"resume_from_checkpoint={resume_from!r} is a folder with no checkpoint in it")
+        return found[-1]
+    if not path.is_file():
+        raise WorkbenchError(f"resume_from_checkpoint={resume_from!r} does not exist")
+    return path
+
+
+def load(path: Path) -> dict[str, Any]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as e:
+        raise WorkbenchError(f"{str(path)!r} is not a readable workbench checkpoint ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else 'corrupted'})") from None
+    if not isinstance(state, dict) or "model" not in state or "step" not in state:
+        raise WorkbenchError(f"{str(path)!r} is not a workbench checkpoint (no model/step inside)")
+    return state

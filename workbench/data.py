@@ -1,0 +1,165 @@
+"""Datasets, shard modes, the Poisson batch sampler and the loaders (see the privacy contract in DESIGN.md).
+
+Training batches are never formed by a DataLoader sampler: :class:`PoissonBatchSampler` draws each logical step's batch
+as an independent Bernoulli(q) choice per example, from a stream seeded by (seed, rank, step). Being stateless per step,
+a resumed run draws exactly the batches the uninterrupted run would have drawn.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
+
+from workbench.errors import WorkbenchError
+
+log = logging.getLogger(__name__)
+
+
+class ArrayDataset(TensorDataset):
+    """A TensorDataset that hands a whole index list back at once (no per-item Python loop in the DataLoader)."""
+
+    def __getitems__(self, indices: Sequence[int]):
+        index = torch.as_tensor(indices, dtype=torch.long)
+        return tuple(t[index] for t in self.tensors)
+
+
+class Digits(ArrayDataset):
+    """scikit-learn's 8x8 digits, flattened to 64 features in [0, 1]; a fixed stratified split."""
+
+    def __init__(self, split: str = "train", test_size: float = 0.2, split_seed: int = 0):
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        if split not in ("train", "eval"):
+            raise WorkbenchError(f"Digits split must be 'train' or 'eval', got {split!r}")
+        x, y = load_digits(return_X_y=True)
+        x_tr, x_ev, y_tr, y_ev = train_test_split(x, y, test_size=test_size, random_state=split_seed, stratify=y)
+        x, y = (x_tr, y_tr) if split == "train" else (x_ev, y_ev)
+        super().__init__(torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y, dtype=torch.long))
+
+
+class Synthetic(ArrayDataset):
+    """Gaussian class blobs: learnable, deterministic, any size."""
+
+    def __init__(self, size: int = 2048, in_features: int = 64, num_classes: int = 10, seed: int = 0, spread: float = 1.0):
+        g = torch.Generator().manual_seed(1234)  # class centres shared by every split
+        centres = torch.randn(num_classes, in_features, generator=g) * 2.0
+        g.manual_seed(seed)
+        y = torch.randint(0, num_classes, (size,), generator=g)
+        x = centres[y] + spread * torch.randn(size, in_features, generator=g)
+        super().__init__(x, y)
+
+
+def collate(batch):
+    """Default collation, plus the two shapes our sampler produces: an empty draw (None) and a pre-batched tuple."""
+    if isinstance(batch, tuple):
+        return batch
+    if len(batch) == 0:
+        return None
+    return default_collate(batch)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The examples one rank samples from, and the population the accountant sees."""
+
+    indices: range
+    population: int  # N_used: the N in the accounting
+    sample_rate: float  # this rank's per-example Bernoulli rate
+    dropped: int  # tail examples left out so that per-rank shards are equal
+
+
+def train_shard(dataset_size: int, rank: int, world_size: int, mode: str, per_device_batch: int) -> Shard:
+    """Shard modes of DESIGN.md: per_rank = disjoint contiguous equal shards; global = every rank sees all N."""
+    if dataset_size == 0:
+        raise WorkbenchError("the training dataset is empty")
+    global_batch = per_device_batch * world_size
+    if mode == "per_rank":
+        per_rank = dataset_size // world_size
+        population = per_rank * world_size
+        if per_rank == 0:
+            raise WorkbenchError(f"the training set has {dataset_size} examples, fewer than world_size={world_size}")
+        shard = Shard(range(rank * per_rank, (rank + 1) * per_rank), population, global_batch / population,
+                      dataset_size - population)
+    elif mode == "global":
+        population = dataset_size
+        shard = Shard(range(dataset_size), population, global_batch / (world_size * dataset_size), 0)
+    else:
+        raise WorkbenchError(f"ddp_shard={mode!r} is unknown; choose per_rank or global")
+    if global_batch > population:
+        raise WorkbenchError(
+            f"the expected global batch per_device_train_batch_size x world_size = {global_batch} is larger than the "
+            f"training set ({population} examples); lower per_device_train_batch_size"
+        )
+    return shard
+
+
+def step_generator(seed: int, rank: int, step: int, stream: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
+    """An independent, reproducible RNG stream for one (seed, rank, step); `stream` separates uses (sampling, noise)."""
+    state = np.random.SeedSequence([seed, rank, step, stream]).generate_state(2, dtype=np.uint32)
+    return torch.Generator(device=device).manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+class PoissonBatchSampler:
+    """Yields, for each logical step in [start_step, steps), the dataset indices of this rank's Poisson batch.
+
+    Each example of the shard is included independently with probability ``shard.sample_rate``; empty batches are
+    yielded too (the rank still joins the step's collective).
+    """
+
+    def __init__(self, shard: Shard, steps: int, seed: int, rank: int, start_step: int = 0):
+        self.shard, self.steps, self.seed, self.rank, self.start_step = shard, steps, seed, rank, start_step
+        self._offset = torch.tensor(shard.indices.start)
+
+    def indices_for_step(self, step: int) -> list[int]:
+        g = step_generator(self.seed, self.rank, step)
+        mask = torch.rand(len(self.shard.indices), generator=g) < self.shard.sample_rate
+        return (mask.nonzero().squeeze(1) + self._offset).tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.start_step, self.steps):
+            yield self.indices_for_step(step)
+
+    def __len__(self) -> int:
+        return max(0, self.steps - self.start_step)
+
+
+def _loader_kwargs(cfg, device: torch.device) -> dict:
+    kwargs = dict(num_workers=cfg.dataloader_num_workers, collate_fn=collate,
+                  pin_memory=bool(cfg.dataloader_pin_memory and device.type == "cuda"))
+    if cfg.dataloader_num_workers > 0:
+        kwargs.update(persistent_workers=cfg.dataloader_persistent_workers,
+                      prefetch_factor=cfg.dataloader_prefetch_factor)
+    return kwargs
+
+
+def train_loader(dataset: Dataset, sampler: PoissonBatchSampler, cfg, device: torch.device) -> DataLoader:
+    return DataLoader(dataset, batch_sampler=sampler, **_loader_kwargs(cfg, device))
+
+
+def eval_shard(dataset_size: int, rank: int, world_size: int) -> range:
+    """Contiguous, near-equal, never padded: the gathered predictions are the dataset in order, each example once."""
+    return range(rank * dataset_size // world_size, (rank + 1) * dataset_size // world_size)
+
+
+def eval_loader(dataset: Dataset, indices: range, cfg, device: torch.device) -> DataLoader:
+    batches = [list(indices[i:i + cfg.per_device_eval_batch_size])
+               for i in range(0, len(indices), cfg.per_device_eval_batch_size)]
+    if cfg.dataloader_drop_last and batches and len(batches[-1]) < cfg.per_device_eval_batch_size:
+        batches.pop()
+    return DataLoader(dataset, batch_sampler=batches, **_loader_kwargs(cfg, device))
+
+
+def check_dataset(dataset: Dataset, name: str) -> int:
+    try:
+        size = len(dataset)
+    except TypeError:
+        raise WorkbenchError(f"the {name} dataset must be a map-style Dataset with __len__ (Poisson sampling needs N)") from None
+    if size == 0:
+        raise WorkbenchError(f"the {name} dataset is empty")
+    return size

@@ -1,0 +1,263 @@
+"""Where this process stands in the job: environment detection, the backend matrix, the process group, rank gating,
+gathers, and collective phases whose failure on one rank reaches every rank."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib.util
+import logging
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from workbench.errors import WorkbenchError
+
+log = logging.getLogger(__name__)
+
+FIRST_CLASS_BACKENDS = ("nccl", "gloo", "mpi")
+# Vendor backends accepted for parity with Hugging Face; each needs its vendor's torch extension.
+VENDOR_BACKENDS = {
+    "xccl": ("Intel XPU", None),
+    "hccl": ("Ascend NPU", "torch_npu"),
+    "cncl": ("Cambricon MLU", "torch_mlu"),
+    "mccl": ("Moore Threads MUSA", "torch_musa"),
+}
+BACKENDS = ("auto",) + FIRST_CLASS_BACKENDS + tuple(VENDOR_BACKENDS)
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    """Rank layout of this process, and where it came from."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    source: str = "single"  # torchrun | submitit | slurm | single
+
+
+def _int_env(name: str, default: int | None = None) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def _slurm_master_addr() -> str:
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST") or socket.gethostname()
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+        return out.stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return nodelist.split(",")[0]
+
+
+def detect_env() -> JobEnv:
+    """torchrun's env, else submitit's job environment, else SLURM's env, else one process."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return JobEnv(
+            rank=_int_env("RANK"), world_size=_int_env("WORLD_SIZE"), local_rank=_int_env("LOCAL_RANK", 0),
+            local_world_size=_int_env("LOCAL_WORLD_SIZE", _int_env("WORLD_SIZE")),
+            master_addr=os.environ.get("MASTER_ADDR"), master_port=_int_env("MASTER_PORT"), source="torchrun",
+        )
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        import submitit
+
+        env = submitit.JobEnvironment()
+        job_id = "".join(c for c in str(env.job_id) if c.isdigit()) or "0"
+        return JobEnv(
+            rank=env.global_rank, world_size=env.num_tasks, local_rank=env.local_rank,
+            local_world_size=env.num_tasks // max(1, env.num_nodes),
+            master_addr=env.hostnames[0] if env.num_nodes > 1 else "127.0.0.1",
+            master_port=_int_env("MASTER_PORT", 20000 + int(job_id) % 20000), source="submitit",
+        )
+    if _int_env("SLURM_NTASKS", 1) > 1 and "SLURM_PROCID" in os.environ:
+        ntasks = _int_env("SLURM_NTASKS")
+        nnodes = _int_env("SLURM_JOB_NUM_NODES", _int_env("SLURM_NNODES", 1))
+        return JobEnv(
+            rank=_int_env("SLURM_PROCID"), world_size=ntasks, local_rank=_int_env("SLURM_LOCALID", 0),
+            local_world_size=ntasks // max(1, nnodes), master_addr=_slurm_master_addr(),
+            master_port=_int_env("MASTER_PORT", 20000 + _int_env("SLURM_JOB_ID", 0) % 20000), source="slurm",
+        )
+    return JobEnv()
+
+
+def resolve_backend(name: str) -> str:
+    """Map ``ddp_backend`` to a backend this machine can run, or fail with one line naming what is missing."""
+    if name not in BACKENDS:
+        raise WorkbenchError(f"ddp_backend={name!r} is unknown; choose one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if name == "nccl":
+        if not dist.is_nccl_available():
+            raise WorkbenchError("ddp_backend=nccl needs a torch built with NCCL; this torch has no NCCL (CPU build?)")
+        if not torch.cuda.is_available():
+            raise WorkbenchError("ddp_backend=nccl needs CUDA GPUs, but none is visible (torch.cuda.is_available() is False)")
+    elif name == "gloo":
+        if not dist.is_gloo_available():
+            raise WorkbenchError("ddp_backend=gloo is not available in this torch build")
+    elif name == "mpi":
+        if not dist.is_mpi_available():
+            raise WorkbenchError("ddp_backend=mpi needs a torch built with MPI; this torch has no MPI support")
+    elif name == "xccl":
+        xpu = getattr(torch, "xpu", None)
+        if not (getattr(dist, "is_xccl_available", lambda: False)() and xpu is not None and xpu.is_available()):
+            raise WorkbenchError("ddp_backend=xccl needs Intel XPU devices and a torch built with XCCL; neither is present")
+    else:
+        device, package = VENDOR_BACKENDS[name]
+        if importlib.util.find_spec(package) is None:
+            raise WorkbenchError(f"ddp_backend={name} needs the {device} runtime: the Python package {package!r} is not installed")
+    return name
+
+
+def device_for(backend: str, local_rank: int) -> torch.device:
+    """One process per device: the local rank picks it."""
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if backend == "xccl":
+        return torch.device("xpu", local_rank)
+    return torch.device("cpu")
+
+
+class Dist:
+    """This process's place in the job and the few collectives the trainer uses. Works unchanged with one process."""
+
+    def __init__(self, env: JobEnv, backend: str, device: torch.device, owns_group: bool,
+                 log_on_each_node: bool = True, save_on_each_node: bool = False):
+        self.env, self.backend, self.device, self.owns_group = env, backend, device, owns_group
+        self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
+        self.is_main = self.rank == 0
+        self.is_local_main = self.local_rank == 0
+        self.should_log = self.is_local_main if log_on_each_node else self.is_main
+        self.should_save = self.is_local_main if save_on_each_node else self.is_main
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def all_gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's rows in rank order; ranks may hold different row counts (padded, then trimmed)."""
+        if not self.distributed:
+            return tensor
+        count = torch.tensor([tensor.shape[0]], device=self.device)
+        counts = [torch.zeros_like(count) for _ in range(self.world_size)]
+        dist.all_gather(counts, count)
+        counts = [int(c) for c in counts]
+        padded = tensor.new_zeros((max(counts),) + tuple(tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded)
+        return torch.cat([p[:c] for p, c in zip(parts, counts)])
+
+    def gather_payload(self, payload: Any, force_object: bool = False) -> Any:
+        """Gather a tensor (fast path) or any picklable payload (object path) from every rank, in rank order.
+
+        The tensor path needs every rank's tensor to agree beyond the batch dimension (shape and dtype); ranks decide
+        together, so a ragged payload on one rank sends every rank down the object path.
+        """
+        if not self.distributed:
+            return payload
+        signature = (tuple(payload.shape[1:]), str(payload.dtype)) if isinstance(payload, torch.Tensor) else None
+        signatures = self.all_gather_object(None if force_object else signature)
+        if signature is not None and all(s == signature for s in signatures):
+            return self.all_gather_rows(payload.to(self.device)).cpu()
+        parts = self.all_gather_object(payload.cpu() if isinstance(payload, torch.Tensor) else payload)
+        return concat_parts(parts)
+
+    @contextlib.contextmanager
+    def collective_phase(self, name: str) -> Iterator[None]:
+        """Run a phase on every rank; if it fails anywhere, raise on every rank, naming the failing ranks and errors.
+
+        Every rank reaches the closing all-gather whatever happened, so one rank's failure is an error, never a hang.
+        """
+        error: BaseException | None = None
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            error = e
+        failures = [(r, msg) for r, msg in enumerate(self.all_gather_object(None if error is None else repr(error)))
+                    if msg is not None]
+        if failures:
+            detail = "; ".join(f"rank {r}: {msg}" for r, msg in failures)
+            raise RuntimeError(f"{name} failed on {detail}") from error
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def concat_parts(parts: list[Any]) -> Any:
+    """Concatenate per-rank payloads: tensors and arrays along dim 0, lists by extension, dicts key-wise."""
+    import numpy as np
+
+    first = next((p for p in parts if p is not None), None)
+    if isinstance(first, torch.Tensor):
+        return torch.cat([p for p in parts if p is not None and p.shape[0] > 0] or [first])
+    if isinstance(first, np.ndarray):
+        return np.concatenate([p for p in parts if p is not None])
+    if isinstance(first, dict):
+        return {k: concat_parts([p[k] for p in parts]) for k in first}
+    out: list[Any] = []
+    for p in parts:
+        out.extend(p)
+    return out
+
+
+def setup(ddp_backend: str, ddp_timeout: int = 1800, log_on_each_node: bool = True,
+          save_on_each_node: bool = False) -> Dist:
+    """Join the process group started outside us, or start one when the environment says there are several ranks."""
+    if dist.is_available() and dist.is_initialized():
+        actual = dist.get_backend()
+        if ddp_backend != "auto" and actual != ddp_backend:
+            raise WorkbenchError(
+                f"the process group was started outside workbench with backend {actual!r}, but ddp_backend={ddp_backend!r}; "
+                "make them agree"
+            )
+        env = detect_env()
+        env = JobEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=env.local_rank,
+                     local_world_size=env.local_world_size, source=env.source if env.source != "single" else "external")
+        backend = resolve_backend(actual)
+        return Dist(env, backend, device_for(backend, env.local_rank), False, log_on_each_node, save_on_each_node)
+    backend = resolve_backend(ddp_backend)
+    env = detect_env()
+    device = device_for(backend, env.local_rank)
+    if env.world_size > 1:
+        if env.master_addr:
+            os.environ["MASTER_ADDR"] = env.master_addr
+        if env.master_port:
+            os.environ["MASTER_PORT"] = str(env.master_port)
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                timeout=datetime.timedelta(seconds=ddp_timeout),
+                                device_id=device if backend == "nccl" else None)
+    return Dist(env, backend, device, env.world_size > 1, log_on_each_node, save_on_each_node)
+
+
+def teardown(d: Dist | None) -> None:
+    if d is not None and d.owns_group and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,251 @@
+"""One training job, end to end: validate -> process group -> data, model, privacy -> MLflow run -> train -> eval ->
+checkpoint -> summary. The CLI, the launchers and the notebook API all call :func:`train`."""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from hydra.utils import get_method, instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from workbench import checkpoint, config, data, distributed, privacy
+from workbench.errors import WorkbenchError
+from workbench.tracking import git_sha, make_tracker, ui_command
+from workbench.trainer import Evaluator, GradientStep, History, Trainer, check_model, lr_lambda
+
+log = logging.getLogger("workbench")
+
+
+@dataclass
+class TrainResult:
+    """What a finished job hands back (on every rank; only rank 0 has a run in MLflow)."""
+
+    metrics: dict[str, float]
+    epsilon: float | None
+    delta: float | None
+    noise_multiplier: float | None
+    sample_rate: float
+    steps: int
+    run_id: str | None
+    tracking_uri: str | None
+    output_dir: Path
+    checkpoint: Path | None
+    model: nn.Module = field(repr=False)
+    history: History = field(repr=False)
+
+
+def _instantiate(node: Any, what: str, **kwargs) -> Any:
+    try:
+        return instantiate(node, **kwargs)
+    except Exception as e:  # noqa: BLE001 - Hydra wraps the user's error; show its first line
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise WorkbenchError(f"could not build {what}: {msg}") from e
+
+
+def _compute_metrics(name: str | None) -> Callable | None:
+    if name is None:
+        return None
+    try:
+        return get_method(name)
+    except Exception:  # noqa: BLE001
+        raise WorkbenchError(f"compute_metrics={name!r} is not an importable function") from None
+
+
+def _quiet_unless(should_log: bool) -> None:
+    if not should_log:
+        logging.getLogger().setLevel(logging.WARNING)
+        logging.getLogger("workbench").setLevel(logging.WARNING)
+
+
+def train(cfg: DictConfig, compute_metrics: Callable | None = None) -> TrainResult:
+    """Run one job in this process (joining the job's process group when there is one)."""
+    config.validate(cfg)
+    d = distributed.setup(cfg.ddp_backend, cfg.ddp_timeout, cfg.log_on_each_node, cfg.save_on_each_node)
+    tracker = None
+    try:
+        _quiet_unless(d.should_log)
+        cfg.output_dir = d.broadcast_object(str(config.resolve_output_dir(cfg)))  # one run folder for every rank
+        output_dir = Path(cfg.output_dir)
+        config.check_writable(output_dir)
+        job = _build(cfg, d, compute_metrics)
+        tracker = make_tracker(cfg, d.is_main)
+        tags = {"backend": d.backend, "ddp_shard": cfg.ddp_shard, "world_size": d.world_size, "git_sha": git_sha(),
+                "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags,
+                **_hydra_tags()}
+        tracker.start(tags, run_id=job["resume_run_id"], sweep_dir=_sweep_dir())
+        run_id = d.broadcast_object(tracker.run_id)
+        return _fit(cfg, d, job, tracker, run_id, output_dir)
+    except BaseException as e:
+        if tracker is not None:
+            tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        raise
+    finally:
+        distributed.teardown(d)
+
+
+def _hydra_tags() -> dict[str, str]:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+    except ValueError:
+        return {}
+    tags = {f"hydra.{k}": v for k, v in hc.runtime.choices.items() if v is not None and not k.startswith("hydra/")}
+    if hc.overrides.task:
+        tags["overrides"] = " ".join(hc.overrides.task)
+    return tags
+
+
+def _sweep_dir() -> str | None:
+    """The multirun sweep folder this job belongs to (its MLflow parent run is keyed by it), else None."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+    except ValueError:
+        return None
+    return str(Path(hc.sweep.dir).resolve()) if hc.mode == RunMode.MULTIRUN else None
+
+
+def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None) -> dict[str, Any]:
+    """Everything that can be refused is built here, before an MLflow run exists."""
+    torch.manual_seed(cfg.seed)
+    train_set = _instantiate(cfg.data.train, "data.train")
+    eval_set = _instantiate(cfg.data.eval, "data.eval") if cfg.data.get("eval") is not None else None
+    n = data.check_dataset(train_set, "training")
+    if eval_set is not None:
+        data.check_dataset(eval_set, "eval")
+    shard = data.train_shard(n, d.rank, d.world_size, cfg.ddp_shard, cfg.per_device_train_batch_size)
+    if shard.dropped:
+        warnings.warn(f"ddp_shard=per_rank drops {shard.dropped} of {n} training examples so that "
+                      f"{d.world_size} ranks get equal shards ({shard.population} used)", stacklevel=1)
+    expected_batch = cfg.per_device_train_batch_size * d.world_size
+    total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * shard.population / expected_batch)
+
+    model = _instantiate(cfg.model, "model")
+    if not isinstance(model, nn.Module):
+        raise WorkbenchError(f"model._target_ built a {type(model).__name__}, not a torch.nn.Module")
+    check_model(model, cfg.privacy.enabled)
+    model.to(d.device)
+    if d.distributed:  # identical start on every rank whatever the model's own RNG use
+        for t in model.state_dict().values():
+            torch.distributed.broadcast(t, 0)
+    criterion = _instantiate(cfg.criterion, "criterion", reduction="none")
+
+    p = cfg.privacy
+    accountant = delta = None
+    sigma = 0.0
+    if p.enabled:
+        delta = p.target_delta if p.target_delta is not None else privacy.default_delta(shard.population)
+        for message in privacy.validate_privacy_args(p.target_epsilon, delta, p.noise_multiplier, p.max_grad_norm,
+                                                     shard.population):
+            warnings.warn(message, stacklevel=1)
+        if p.noise_multiplier == 0:
+            raise WorkbenchError("privacy.noise_multiplier=0 gives no privacy; use privacy.enabled=false for a non-private run")
+        sigma = p.noise_multiplier if p.noise_multiplier is not None else privacy.calibrate_noise(
+            p.accountant, shard.sample_rate, total_steps, p.target_epsilon, delta, d.world_size, cfg.ddp_shard)
+        accountant = privacy.Accountant(p.accountant, shard.sample_rate, sigma, d.world_size, cfg.ddp_shard)
+        if p.target_epsilon is not None:
+            budget = accountant.max_steps(p.target_epsilon, delta, total_steps)
+            if budget == 0:
+                raise WorkbenchError(f"privacy.target_epsilon={p.target_epsilon} is exceeded by the first step at "
+                                     f"noise_multiplier={sigma}; raise the noise or the target")
+            if budget < total_steps:
+                warnings.warn(f"the run stops after {budget} of {total_steps} steps: one more would exceed "
+                              f"target_epsilon={p.target_epsilon}", stacklevel=1)
+                total_steps = budget
+
+    step_fn = GradientStep(model, criterion, d, max_grad_norm=p.max_grad_norm if p.enabled else None,
+                           noise_multiplier=sigma, grad_sample_mode=p.grad_sample_mode,
+                           max_physical_batch_size=cfg.max_physical_batch_size, noise_seed=cfg.seed)
+    optimizer = _instantiate(cfg.optimizer, "optimizer")(step_fn.params, lr=cfg.learning_rate,
+                                                         weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_scheduler_type, cfg.warmup_steps, total_steps))
+    metrics_fn = compute_metrics or _compute_metrics(cfg.compute_metrics)
+
+    digest = config.privacy_digest(cfg, d.world_size)
+    start_step, resume_run_id = 0, None
+    if cfg.resume_from_checkpoint:
+        path = checkpoint.resolve(cfg.resume_from_checkpoint, cfg.output_dir)
+        if path is not None:
+            state = checkpoint.load(path)
+            if state.get("privacy_digest") != digest:
+                raise WorkbenchError(f"checkpoint {str(path)!r} was written under a different privacy config "
+                                     "(batch, steps, seed, shard, world size, noise, clipping or data differ); refusing to resume")
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            if accountant is not None:
+                accountant.load_state_dict(state["accountant"])
+            start_step, resume_run_id = int(state["step"]), state.get("run_id")
+            log.info("resuming from %s at step %d", path, start_step)
+
+    seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
+    sampler = data.PoissonBatchSampler(shard, total_steps, seed, d.rank, start_step)
+    eval_loader = None
+    if eval_set is not None:
+        eval_loader = data.eval_loader(eval_set, data.eval_shard(len(eval_set), d.rank, d.world_size), cfg, d.device)
+    return dict(model=model, criterion=criterion, shard=shard, step_fn=step_fn, optimizer=optimizer,
+                scheduler=scheduler, accountant=accountant, delta=delta, sigma=sigma, total_steps=total_steps,
+                expected_batch=expected_batch, start_step=start_step, resume_run_id=resume_run_id, digest=digest,
+                loader=data.train_loader(train_set, sampler, cfg, d.device), eval_loader=eval_loader,
+                metrics_fn=metrics_fn)
+
+
+def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str | None, output_dir: Path) -> TrainResult:
+    model, accountant, delta = job["model"], job["accountant"], job["delta"]
+    last_saved: list[Path | None] = [None]
+
+    def save(step: int) -> None:
+        state = {"model": model.state_dict(), "optimizer": job["optimizer"].state_dict(),
+                 "scheduler": job["scheduler"].state_dict(), "step": step, "run_id": run_id,
+                 "privacy_digest": job["digest"], "world_size": d.world_size,
+                 "accountant": accountant.state_dict() if accountant is not None else None}
+        with d.collective_phase(f"checkpoint save at step {step}"):
+            if d.should_save:
+                last_saved[0] = checkpoint.save(state, output_dir, step, cfg.save_total_limit)
+
+    evaluator = None
+    if job["eval_loader"] is not None:
+        evaluator = Evaluator(model, job["criterion"], job["eval_loader"], d, job["metrics_fn"],
+                              cfg.eval_use_gather_object, cfg.batch_eval_metrics)
+    trainer = Trainer(cfg, d, model, job["step_fn"], job["optimizer"], job["scheduler"], job["loader"],
+                      evaluator or (lambda: {}), accountant, delta, tracker, job["expected_batch"],
+                      job["shard"].population, job["total_steps"], job["start_step"], save)
+    steps = trainer.fit()
+    metrics = evaluator() if evaluator is not None else {}
+    summary = {"steps": steps, "sample_rate": job["shard"].sample_rate, "world_size": d.world_size}
+    epsilon = None
+    if accountant is not None:
+        epsilon = accountant.epsilon(steps, delta)
+        summary.update(epsilon=epsilon, delta=delta, noise_multiplier=job["sigma"])
+    tracker.log_metrics({**metrics, **summary}, steps)
+    save(steps)
+    if d.is_main:
+        if cfg.tracking.log_checkpoints and last_saved[0] is not None:
+            tracker.log_artifact(last_saved[0], "checkpoints")
+        if trainer.history.steps:
+            from workbench.plots import training_curves
+
+            tracker.log_figure(training_curves(trainer.history), "training_curves.png")
+    tracker.finish("FINISHED")
+    uri = tracker.uri if run_id else None
+    if d.is_main:
+        parts = [f"{k}={v:.4f}" for k, v in metrics.items()]
+        if epsilon is not None:
+            parts.append(f"epsilon={epsilon:.3f} at delta={delta:.1e}")
+        parts.append(f"steps={steps}")
+        if run_id:
+            parts.append(f"run_id={run_id} | {ui_command(uri)}")
+        print("done: " + " ".join(parts), flush=True)
+    return TrainResult(metrics=metrics, epsilon=epsilon, delta=delta, noise_multiplier=job["sigma"] if accountant else None,
+                       sample_rate=job["shard"].sample_rate, steps=steps, run_id=run_id, tracking_uri=uri,
+                       output_dir=output_dir, checkpoint=last_saved[0], model=model, history=trainer.history)

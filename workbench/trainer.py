@@ -1,0 +1,283 @@
+"""The DP-SGD training loop (the privacy contract of DESIGN.md, step by step).
+
+Every logical step, on every rank, whatever its Poisson batch (even empty):
+  1. per-sample gradients of the local batch, in physical micro-batches of at most ``max_physical_batch_size``;
+  2. flat per-sample L2 clipping to C, summed locally into one flat buffer;
+  3. one all-reduce of that buffer; Gaussian noise of std sigma*C is added by rank 0 alone, before the all-reduce,
+     so it is in the sum exactly once;
+  4. divide by the expected global batch B (never the realised one), optimizer step: parameters stay identical.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from workbench.data import step_generator
+from workbench.distributed import Dist
+from workbench.errors import WorkbenchError
+
+log = logging.getLogger(__name__)
+
+
+def check_model(model: nn.Module, private: bool) -> None:
+    """Refuse models DP-SGD (or one-process-per-device training) cannot handle, with a one-line fix."""
+    if isinstance(model, nn.DataParallel):
+        raise WorkbenchError("torch.nn.DataParallel is refused: use launcher=local (one process per device) instead")
+    if not private:
+        return
+    from opacus.validators import ModuleValidator
+
+    errors = ModuleValidator.validate(model, strict=False)
+    if errors:
+        first = str(errors[0]).splitlines()[0]
+        hint = " (e.g. BatchNorm -> GroupNorm: opacus.validators.ModuleValidator.fix(model) does it)" \
+            if any("BatchNorm" in str(e) for e in errors) else ""
+        raise WorkbenchError(f"the model has {len(errors)} layer(s) DP-SGD cannot handle: {first}{hint}")
+
+
+class GradientStep:
+    """Steps 1-3 of the contract: the noised, all-reduced sum of clipped per-sample gradients for one logical step.
+
+    With ``max_grad_norm=None`` it is the non-private twin: plain summed gradients, no clipping, no noise, through the
+    same single all-reduce, so both paths are measured alike.
+    """
+
+    def __init__(self, model: nn.Module, criterion: nn.Module, dist: Dist, *, max_grad_norm: float | None,
+                 noise_multiplier: float, grad_sample_mode: str = "hooks", max_physical_batch_size: int = 512,
+                 noise_seed: int = 0):
+        self.dist, self.criterion = dist, criterion
+        self.clip, self.sigma, self.mode = max_grad_norm, noise_multiplier, grad_sample_mode
+        self.max_physical_batch_size, self.noise_seed = max_physical_batch_size, noise_seed
+        self.private = max_grad_norm is not None
+        self.module = self._wrap(model) if self.private else model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        numel = sum(p.numel() for p in self.params)
+        device = self.params[0].device
+        # Gradient sum, then [loss sum, example count]: the step's one collective carries all three.
+        self.flat = torch.zeros(numel + 2, device=device)
+        self.grad_views, offset = [], 0
+        for p in self.params:
+            self.grad_views.append(self.flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.numel = numel
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        from opacus.grad_sample import GradSampleModule, GradSampleModuleExpandedWeights
+        from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
+
+        if self.mode == "ghost":
+            return GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="sum",
+                                                        max_grad_norm=self.clip, use_ghost_clipping=True)
+        if self.mode == "ew":
+            return GradSampleModuleExpandedWeights(model, batch_first=True, loss_reduction="sum")
+        return GradSampleModule(model, batch_first=True, loss_reduction="sum", force_functorch=self.mode == "functorch")
+
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Add the micro-batch's (clipped) gradient sum to the flat buffer; return its per-sample losses."""
+        losses = self.criterion(self.module(x), y)
+        if not self.private:
+            losses.sum().backward()
+            for p, view in zip(self.params, self.grad_views):
+                if p.grad is not None:
+                    view.add_(p.grad)
+                    p.grad = None
+            return losses.detach()
+        if self.mode == "ghost":
+            return self._accumulate_ghost(losses)
+        losses.sum().backward()
+        grad_samples = [p.grad_sample for p in self.params]
+        norms = torch.zeros(len(y), device=y.device)
+        for gs in grad_samples:
+            if gs is not None:  # None: a parameter unused in this forward; its clipped gradient is zero
+                norms.add_(gs.reshape(len(gs), -1).pow(2).sum(1))
+        factor = (self.clip / (norms.sqrt() + 1e-6)).clamp(max=1.0)
+        for p, gs, view in zip(self.params, grad_samples, self.grad_views):
+            if gs is not None:
+                view.add_(torch.einsum("i,i...->...", factor, gs))
+            p.grad_sample = None
+            p.grad = None
+        return losses.detach()
+
+    def _accumulate_ghost(self, losses: torch.Tensor) -> torch.Tensor:
+        # Ghost clipping: a first backward yields per-sample norms without materialising per-sample gradients, a
+        # second backward of the clip-weighted loss yields the clipped sum directly.
+        losses.sum().backward(retain_graph=True)
+        norms = torch.zeros(len(losses), device=losses.device)
+        for p in self.params:
+            ns = getattr(p, "_norm_sample", None)
+            if ns is not None:
+                norms.add_(ns.pow(2))
+                p._norm_sample = None
+            p.grad = None
+        factor = (self.clip / (norms.sqrt() + 1e-6)).clamp(max=1.0)
+        self.module.disable_hooks()
+        try:
+            (factor.detach() * losses).sum().backward()
+        finally:
+            self.module.enable_hooks()
+        for p, view in zip(self.params, self.grad_views):
+            if p.grad is not None:
+                view.add_(p.grad)
+                p.grad = None
+        return losses.detach()
+
+    def __call__(self, batch: Any, step: int) -> tuple[float, float]:
+        """Fill each parameter's .grad with the noised clipped sum; return the cluster-wide (loss sum, example count)."""
+        self.flat.zero_()
+        if batch is not None:
+            x, y = batch[0].to(self.flat.device, non_blocking=True), batch[1].to(self.flat.device, non_blocking=True)
+            for start in range(0, len(y), self.max_physical_batch_size):
+                end = start + self.max_physical_batch_size
+                losses = self._accumulate(x[start:end], y[start:end])
+                self.flat[-2] += losses.sum()
+                self.flat[-1] += len(losses)
+        if self.private and self.sigma > 0 and self.dist.rank == 0:
+            g = step_generator(self.noise_seed, 0, step, stream=1, device=self.flat.device)
+            self.flat[:self.numel].add_(torch.randn(self.numel, generator=g, device=self.flat.device),
+                                        alpha=self.sigma * self.clip)
+        self.dist.all_reduce_(self.flat)
+        for p, view in zip(self.params, self.grad_views):
+            p.grad = view.clone()
+        return float(self.flat[-2]), float(self.flat[-1])
+
+
+def lr_lambda(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """Hugging Face's schedules: constant, constant_with_warmup, linear, cosine (warmup applies to the last three)."""
+
+    def f(step: int) -> float:
+        if kind != "constant" and step < warmup_steps:
+            return (step + 1) / max(1, warmup_steps)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        if kind == "linear":
+            return max(0.0, 1.0 - progress)
+        if kind == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return f
+
+
+@dataclass
+class History:
+    """What the run logged, kept for the closing plot and the result object."""
+
+    steps: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    epsilon: list[float] = field(default_factory=list)
+
+
+class Trainer:
+    """The loop: Poisson batches -> GradientStep -> optimizer, with logging, eval, checkpoints and the budget stop."""
+
+    def __init__(self, cfg, dist: Dist, model: nn.Module, step_fn: GradientStep, optimizer, scheduler, loader,
+                 evaluator, accountant, delta: float | None, tracker, expected_batch: float, population: int,
+                 total_steps: int, start_step: int, save_fn: Callable[[int], None]):
+        self.cfg, self.dist, self.model, self.step_fn = cfg, dist, model, step_fn
+        self.optimizer, self.scheduler, self.loader, self.evaluator = optimizer, scheduler, loader, evaluator
+        self.accountant, self.delta, self.tracker = accountant, delta, tracker
+        self.population = population
+        self.expected_batch, self.total_steps, self.start_step, self.save_fn = expected_batch, total_steps, start_step, save_fn
+        self.history = History()
+
+    def epsilon(self, steps: int) -> float | None:
+        return None if self.accountant is None else self.accountant.epsilon(steps, self.delta)
+
+    def fit(self) -> int:
+        """Train from start_step to total_steps; returns the number of steps taken in all."""
+        from tqdm.auto import tqdm
+
+        cfg, step = self.cfg, self.start_step
+        bar = tqdm(total=self.total_steps, initial=step, desc="train", dynamic_ncols=True,
+                   disable=cfg.disable_tqdm or not self.dist.should_log)
+        window_loss, window_count, window_start = 0.0, 0.0, time.perf_counter()
+        self.model.train()
+        for batch in self.loader:
+            loss_sum, count = self.step_fn(batch, step)
+            for p in self.step_fn.params:
+                p.grad.div_(self.expected_batch)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            if self.accountant is not None:
+                self.accountant.step()
+            step += 1
+            window_loss, window_count = window_loss + loss_sum, window_count + count
+            bar.update(1)
+            if step % cfg.logging_steps == 0 or step == self.total_steps:
+                elapsed = time.perf_counter() - window_start
+                metrics = {"loss": window_loss / max(window_count, 1.0),
+                           "learning_rate": self.scheduler.get_last_lr()[0],
+                           "samples_per_second": window_count / max(elapsed, 1e-9),
+                           "epoch": step * self.expected_batch / self.population}
+                eps = self.epsilon(step)
+                if eps is not None:
+                    metrics["epsilon"] = eps
+                self.tracker.log_metrics(metrics, step)
+                self.history.steps.append(step)
+                self.history.loss.append(metrics["loss"])
+                self.history.epsilon.append(eps if eps is not None else float("nan"))
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}", **({"eps": f"{eps:.3f}"} if eps is not None else {}))
+                window_loss, window_count, window_start = 0.0, 0.0, time.perf_counter()
+            if cfg.eval_steps and step % cfg.eval_steps == 0 and step < self.total_steps:
+                self.tracker.log_metrics(self.evaluator(), step)
+                self.model.train()
+            if cfg.save_steps and step % cfg.save_steps == 0 and step < self.total_steps:
+                self.save_fn(step)
+        bar.close()
+        return step
+
+
+class Evaluator:
+    """Cluster-wide eval: each rank predicts its contiguous shard, ranks gather in order, metrics see the whole set."""
+
+    def __init__(self, model: nn.Module, criterion: nn.Module, loader, dist: Dist,
+                 compute_metrics: Callable | None, use_gather_object: bool = False, batch_eval_metrics: bool = False):
+        self.model, self.criterion, self.loader, self.dist = model, criterion, loader, dist
+        self.compute_metrics, self.force_object, self.batched = compute_metrics, use_gather_object, batch_eval_metrics
+
+    def _gather(self, predictions, labels):
+        from workbench.metrics import EvalPrediction
+
+        return EvalPrediction(self.dist.gather_payload(predictions, self.force_object),
+                              self.dist.gather_payload(labels, self.force_object))
+
+    @torch.no_grad()
+    def __call__(self) -> dict[str, float]:
+        was_training = self.model.training
+        self.model.eval()
+        totals = torch.zeros(2, device=self.dist.device)  # loss sum, example count
+        predictions, labels, metrics = [], [], {}
+        batches = list(self.loader)
+        n_batches = max(self.dist.all_gather_object(len(batches))) if self.batched else len(batches)
+        for i in range(n_batches):
+            batch = batches[i] if i < len(batches) else None
+            if batch is not None:
+                x, y = batch[0].to(self.dist.device), batch[1].to(self.dist.device)
+                out = self.model(x)
+                totals[0] += self.criterion(out, y).sum()
+                totals[1] += len(y)
+                out, y = out.cpu(), y.cpu()
+            else:  # this rank's shard has fewer eval batches: it joins the gather with an empty payload
+                out, y = torch.empty(0), torch.empty(0, dtype=torch.long)
+            if self.batched:
+                if self.compute_metrics is not None:
+                    metrics = self.compute_metrics(self._gather(out, y), compute_result=i == n_batches - 1)
+            else:
+                predictions.append(out)
+                labels.append(y)
+        if not self.batched and self.compute_metrics is not None:
+            pred = self._gather(torch.cat(predictions) if predictions else torch.empty(0),
+                                torch.cat(labels) if labels else torch.empty(0, dtype=torch.long))
+            metrics = self.compute_metrics(pred)
+        self.dist.all_reduce_(totals)
+        self.model.train(was_training)
+        out = {f"eval_{k}": float(v) for k, v in (metrics or {}).items()}
+        out["eval_loss"] = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+        return out
