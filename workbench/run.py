@@ -45,7 +45,7 @@ def _instantiate(node: Any, what: str, **kwargs) -> Any:
     try:
         return instantiate(node, **kwargs)
     except Exception as e:  # noqa: BLE001 - Hydra wraps the user's error; show its first line
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        msg = " ".join(str(e).split())[:500] or type(e).__name__
         raise WorkbenchError(f"could not build {what}: {msg}") from e
 
 
@@ -227,7 +227,10 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
     if accountant is not None:
         epsilon = accountant.epsilon(steps, delta)
         summary.update(epsilon=epsilon, delta=delta, noise_multiplier=job["sigma"])
-    tracker.log_metrics({**metrics, **summary}, steps)
+    final = {**metrics, **summary}
+    if trainer.history.steps and trainer.history.steps[-1] == steps:
+        final.pop("epsilon", None)  # already logged at this step by the loop: log each (metric, step) once
+    tracker.log_metrics(final, steps)
     save(steps)
     if d.is_main:
         if cfg.tracking.log_checkpoints and last_saved[0] is not None:

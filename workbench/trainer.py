@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -24,6 +25,8 @@ from workbench.distributed import Dist
 from workbench.errors import WorkbenchError
 
 log = logging.getLogger(__name__)
+# Opacus' hooks trigger this on every backward of a model whose inputs need no grad: expected, not actionable.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
 
 
 def check_model(model: nn.Module, private: bool) -> None:

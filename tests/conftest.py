@@ -1,0 +1,38 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Tiny models on a 2-core machine: one intra-op thread per process is much faster than two fighting ones.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+@pytest.fixture
+def make_cfg(tmp_path, mlflow_uri):
+    """Compose the real conf/ with overrides, pointed at a temporary run folder and MLflow store."""
+    from workbench import compose
+
+    def make(*overrides: str):
+        return compose([f"output_dir={tmp_path / 'run'}", f"tracking.uri={mlflow_uri}", "disable_tqdm=true",
+                        *overrides])
+
+    return make
+
+
+def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300, module=("-m", "workbench")):
+    """Run `python -m workbench ...` as a user would; returns the CompletedProcess."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, *module, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)

@@ -1,0 +1,76 @@
+import numpy as np
+import pytest
+import torch
+
+from workbench.data import Digits, PoissonBatchSampler, Synthetic, eval_shard, step_generator, train_shard
+from workbench.errors import WorkbenchError
+
+
+def test_poisson_sampler_rate_matches_q():
+    shard = train_shard(2000, 0, 1, "per_rank", 100)
+    sampler = PoissonBatchSampler(shard, steps=400, seed=0, rank=0)
+    sizes = np.array([len(b) for b in sampler])
+    q = shard.sample_rate
+    assert q == pytest.approx(0.05)
+    # Batch size ~ Binomial(2000, 0.05): mean 100, std ~9.7; the mean of 400 draws is within 4 standard errors.
+    assert abs(sizes.mean() - 100) < 4 * np.sqrt(2000 * q * (1 - q) / 400)
+    assert sizes.std() == pytest.approx(np.sqrt(2000 * q * (1 - q)), rel=0.15)
+    # Each example independently: inclusion frequency per example ~ q.
+    counts = np.zeros(2000)
+    for b in PoissonBatchSampler(shard, steps=400, seed=0, rank=0):
+        counts[b] += 1
+    assert abs(counts.mean() / 400 - q) < 0.005
+
+
+def test_sampler_is_reproducible_and_resumable():
+    shard = train_shard(500, 0, 1, "per_rank", 50)
+    a = list(PoissonBatchSampler(shard, steps=20, seed=7, rank=0))
+    b = list(PoissonBatchSampler(shard, steps=20, seed=7, rank=0))
+    resumed = list(PoissonBatchSampler(shard, steps=20, seed=7, rank=0, start_step=12))
+    other_seed = list(PoissonBatchSampler(shard, steps=20, seed=8, rank=0))
+    assert a == b
+    assert resumed == a[12:]
+    assert a != other_seed
+
+
+def test_rank_streams_are_independent():
+    g0 = [torch.rand(1000, generator=step_generator(3, 0, s)) for s in range(5)]
+    g1 = [torch.rand(1000, generator=step_generator(3, 1, s)) for s in range(5)]
+    for x, y in zip(g0, g1):
+        assert abs(float(torch.corrcoef(torch.stack([x, y]))[0, 1])) < 0.15
+    assert not torch.equal(g0[0], g0[1])
+
+
+def test_per_rank_shards_are_disjoint_and_trimmed():
+    shards = [train_shard(1001, r, 3, "per_rank", 10) for r in range(3)]
+    union = sorted(i for s in shards for i in s.indices)
+    assert union == list(range(999))
+    assert all(s.dropped == 2 and s.population == 999 for s in shards)
+    assert shards[0].sample_rate == pytest.approx(30 / 999)
+
+
+def test_global_shard_rate():
+    s = train_shard(1000, 1, 4, "global", 25)
+    assert list(s.indices) == list(range(1000))
+    assert s.sample_rate == pytest.approx(100 / (4 * 1000))
+
+
+def test_batch_larger_than_dataset_and_empty_are_refused():
+    with pytest.raises(WorkbenchError, match="larger than the training set"):
+        train_shard(100, 0, 1, "per_rank", 101)
+    with pytest.raises(WorkbenchError, match="empty"):
+        train_shard(0, 0, 1, "per_rank", 1)
+
+
+def test_eval_shards_cover_dataset_in_order_without_padding():
+    for n, w in [(10, 3), (2, 3), (100, 4)]:
+        parts = [list(eval_shard(n, r, w)) for r in range(w)]
+        assert sum(parts, []) == list(range(n))
+
+
+def test_embedded_datasets():
+    train, ev = Digits("train"), Digits("eval")
+    assert len(train) + len(ev) == 1797
+    assert train.tensors[0].shape[1] == 64 and float(train.tensors[0].max()) <= 1.0
+    s = Synthetic(size=100, seed=0)
+    assert torch.equal(s.tensors[0], Synthetic(size=100, seed=0).tensors[0])

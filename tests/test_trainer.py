@@ -1,0 +1,93 @@
+import pytest
+import torch
+from torch import nn
+
+from workbench.distributed import setup
+from workbench.errors import WorkbenchError
+from workbench.trainer import GradientStep, check_model
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batch(n=13, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g) * 3, torch.randint(0, 3, (n,), generator=g)
+
+
+def _reference_clipped_sum(model, x, y, clip):
+    """Per-example autograd loop: the definition of per-sample flat clipping."""
+    params = [p for p in model.parameters()]
+    total = [torch.zeros_like(p) for p in params]
+    for i in range(len(y)):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+        grads = [p.grad.clone() for p in params]
+        norm = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+        factor = min(1.0, clip / (float(norm) + 1e-6))
+        for t, g in zip(total, grads):
+            t += factor * g
+    model.zero_grad()
+    return total
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost", "ew"])
+@pytest.mark.parametrize("physical", [4, 64])
+def test_clipped_sum_matches_per_example_loop(mode, physical):
+    d = setup("gloo")
+    x, y = _batch()
+    clip = 0.5
+    expected = _reference_clipped_sum(_model(), x, y, clip)
+    model = _model()
+    step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=clip, noise_multiplier=0.0,
+                        grad_sample_mode=mode, max_physical_batch_size=physical)
+    loss_sum, count = step((x, y), step=0)
+    assert count == len(y)
+    for p, e in zip(step.params, expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-5)
+    # Clipping really bit: some per-example norms exceed the bound here.
+    unclipped = _reference_clipped_sum(_model(), x, y, clip=1e9)
+    assert any(not torch.allclose(a, b) for a, b in zip(expected, unclipped))
+
+
+def test_noise_std_is_sigma_times_clip_and_reproducible():
+    d = setup("gloo")
+    model = nn.Linear(100, 50)
+    sigma, clip = 1.3, 0.7
+    step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=clip, noise_multiplier=sigma)
+    samples = []
+    for s in range(20):
+        step(None, step=s)  # an empty Poisson batch: the gradient is pure noise
+        samples.append(torch.cat([p.grad.flatten() for p in step.params]))
+    noise = torch.stack(samples)
+    assert float(noise.std()) == pytest.approx(sigma * clip, rel=0.02)
+    assert abs(float(noise.mean())) < 0.01
+    step(None, step=3)
+    assert torch.equal(torch.cat([p.grad.flatten() for p in step.params]), samples[3])
+
+
+def test_unused_parameters_train_with_zero_clipped_gradient():
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(6, 3), nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.used(x)
+
+    d = setup("gloo")
+    model = TwoHeads()
+    step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=1.0, noise_multiplier=0.0)
+    step(_batch(), step=0)
+    assert float(model.unused.weight.grad.abs().sum()) == 0.0
+    assert float(model.used.weight.grad.abs().sum()) > 0.0
+
+
+def test_models_dp_cannot_handle_are_refused_with_a_fix():
+    with pytest.raises(WorkbenchError, match="BatchNorm -> GroupNorm"):
+        check_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), private=True)
+    check_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), private=False)
+    with pytest.raises(WorkbenchError, match="launcher=local"):
+        check_model(nn.DataParallel(nn.Linear(4, 4)), private=False)
