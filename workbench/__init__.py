@@ -1,7 +1,20 @@
-"""workbench: experiment-tracked, distributed differentially private training in PyTorch."""
+"""workbench: experiment-tracked, distributed differentially private training in PyTorch.
 
-from workbench.api import compose, launch_distributed
-from workbench.errors import WorkbenchError
-from workbench.run import TrainResult, train
+The public API is imported lazily, so that ``workbench.distributed`` (and spawned ranks) start without the accounting
+and tracking stacks.
+"""
 
-__all__ = ["compose", "launch_distributed", "train", "TrainResult", "WorkbenchError"]
+from importlib import import_module
+
+_API = {
+    "compose": "workbench.api", "launch_distributed": "workbench.api", "free_port": "workbench.api",
+    "train": "workbench.run", "TrainResult": "workbench.run", "WorkbenchError": "workbench.errors",
+}
+
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    if name in _API:
+        return getattr(import_module(_API[name]), name)
+    raise AttributeError(f"module 'workbench' has no attribute {name!r}")
