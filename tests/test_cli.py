@@ -37,7 +37,7 @@ def test_default_job_end_to_end(tmp_path):
 
     assert params["privacy.target_epsilon"] == "8.0" and params["per_device_train_batch_size"] == "256"
     assert tags["backend"] == "gloo" and tags["world_size"] == "1" and tags["ddp_shard"] == "per_rank"
-    assert tags["hydra.data"] == "digits" and tags["hydra.model"] == "mlp"
+    assert tags["hydra/data"] == "digits" and tags["hydra/model"] == "mlp"
     history = client.get_metric_history(run.info.run_id, "epsilon")
     assert len(history) > 5 and [h.value for h in history] == sorted(h.value for h in history)
     assert {h.key for h in client.get_metric_history(run.info.run_id, "learning_rate")} == {"learning_rate"}

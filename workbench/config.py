@@ -56,6 +56,9 @@ class TrackingConfig:
     run_name: Optional[str] = None
     log_checkpoints: bool = True
     tags: Dict[str, str] = field(default_factory=dict)
+    # Set by launchers and sweeps, rarely by hand: continue this MLflow run; the multirun folder (-> parent run).
+    run_id: Optional[str] = None
+    sweep_dir: Optional[str] = None
 
 
 @dataclass

@@ -1,15 +1,159 @@
-"""Where a composed config runs: here (inline), on local processes (submitit), or on SLURM (submitit)."""
+"""Where a composed config runs: here (``inline``), on N local processes (``local``), or on SLURM (``slurm``).
+
+The submitting process fixes everything a job needs before submission: the resolved config, one run folder, the Hydra
+context (choices, overrides, sweep folder) and the MLflow run. Every rank of the job then runs :func:`workbench.train`
+on that same config; nothing is re-composed in the job. On preemption or timeout submitit calls
+:meth:`Job.checkpoint`, which requeues the job with ``resume_from_checkpoint=latest``.
+"""
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
 
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from workbench import config
 from workbench.errors import WorkbenchError
 
+log = logging.getLogger("workbench")
 
-def launch(cfg: DictConfig):
+
+def hydra_context(cfg: DictConfig) -> None:
+    """Record the Hydra choices, overrides and sweep folder in the config itself, so a job (or a resumed one) that has
+    no HydraConfig still tags its run and finds its sweep's parent run."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+    except ValueError:
+        return
+    # Tag keys avoid dots (OmegaConf reads them as paths): "hydra/data" = the data group's choice.
+    tags = {f"hydra/{k}": v for k, v in hc.runtime.choices.items() if v is not None and not k.startswith("hydra/")}
+    overrides = [o for o in hc.overrides.task if not o.startswith(("hydra.", "hydra/"))]
+    if overrides:
+        tags["overrides"] = " ".join(overrides)
+    with open_dict(cfg):
+        for k, v in tags.items():
+            cfg.tracking.tags.setdefault(k, str(v))
+    if hc.mode == RunMode.MULTIRUN and cfg.tracking.sweep_dir is None:
+        cfg.tracking.sweep_dir = str(Path(hc.sweep.dir).resolve())
+
+
+def launch(cfg: DictConfig) -> Any:
+    config.validate(cfg)
+    hydra_context(cfg)
     if cfg.launcher.name == "inline":
         from workbench.run import train
 
         return train(cfg)
-    raise WorkbenchError(f"launcher={cfg.launcher.name} is not available yet")
+    return submit(cfg)
+
+
+class Job:
+    """What submitit runs on every task: the same trainer on the config fixed at submission. Checkpointable: on
+    preemption/timeout it requeues itself to resume from the newest checkpoint of its run folder."""
+
+    def __init__(self, cfg_yaml: str):
+        self.cfg_yaml = cfg_yaml
+
+    def __call__(self) -> dict[str, Any]:
+        import submitit
+
+        env = submitit.JobEnvironment()
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, env.num_tasks // env.num_nodes))))
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        from workbench.run import train
+
+        result = train(OmegaConf.create(self.cfg_yaml))
+        return {"rank": env.global_rank, "metrics": result.metrics, "epsilon": result.epsilon, "steps": result.steps,
+                "run_id": result.run_id, "output_dir": str(result.output_dir)}
+
+    def checkpoint(self, *args, **kwargs):
+        import submitit
+
+        cfg = OmegaConf.create(self.cfg_yaml)
+        cfg.resume_from_checkpoint = "latest"
+        return submitit.helpers.DelayedSubmission(Job(OmegaConf.to_yaml(cfg)))
+
+
+def _executor(cfg: DictConfig, folder: Path):
+    import submitit
+
+    lc = cfg.launcher
+    if lc.name == "local":
+        nprocs = lc.nprocs or _local_gpus() or 2
+        executor = submitit.LocalExecutor(folder=str(folder))
+        executor.update_parameters(tasks_per_node=nprocs, nodes=1, timeout_min=lc.timeout_min,
+                                   gpus_per_node=_local_gpus() and nprocs)
+        return executor
+    if shutil.which("sbatch") is None:
+        raise WorkbenchError("launcher=slurm needs SLURM's sbatch on PATH, and there is none on this machine; "
+                             "use launcher=local or launcher=inline")
+    tasks = lc.tasks_per_node or (lc.gpus_per_node if lc.gpus_per_node else 1)
+    executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=lc.max_num_timeout)
+    params: dict[str, Any] = dict(nodes=lc.nodes, ntasks_per_node=tasks, time=lc.timeout_min,
+                                  setup=list(lc.setup), additional_parameters=dict(lc.additional_parameters),
+                                  job_name=cfg.tracking.experiment_name)
+    if lc.gpus_per_node:
+        params["gpus_per_node"] = lc.gpus_per_node
+    if lc.cpus_per_task:
+        params["cpus_per_task"] = lc.cpus_per_task
+    if lc.mem_gb:
+        params["mem"] = f"{int(lc.mem_gb * 1024)}MB"
+    for key in ("partition", "account", "qos", "constraint"):
+        if lc.get(key):
+            params[key] = lc[key]
+    executor.update_parameters(**params)
+    return executor
+
+
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def submit(cfg: DictConfig) -> Any:
+    """Submit one job (local processes or SLURM); wait for it and report, or print where it runs and return."""
+    from workbench.tracking import make_tracker
+
+    output_dir = config.resolve_output_dir(cfg)
+    cfg.output_dir = str(output_dir)
+    config.check_writable(output_dir)
+    executor = _executor(cfg, output_dir / "submitit")
+    tracker = make_tracker(cfg, is_main=True)
+    tracker.start({"launcher": cfg.launcher.name, "status": "submitted", **cfg.tracking.tags},
+                  sweep_dir=cfg.tracking.sweep_dir, pending=True)
+    cfg.tracking.run_id = tracker.run_id
+    try:
+        job = executor.submit(Job(OmegaConf.to_yaml(cfg, resolve=True)))
+    except Exception as e:  # noqa: BLE001 - surface sbatch's own message in one line
+        tracker.finish("FAILED")
+        message = " ".join(str(e).split())
+        raise WorkbenchError(f"submission failed: {message[:400]}") from None
+    tracker.set_tags({"job_id": job.job_id})
+    print(f"submitted job {job.job_id} ({cfg.launcher.name}) run folder {output_dir}"
+          + (f" MLflow run {tracker.run_id}" if tracker.run_id else ""), flush=True)
+    if not cfg.launcher.wait:
+        return job
+    try:
+        results = job.results()
+    except Exception as e:  # noqa: BLE001 - any rank failing fails the launch
+        tracker.finish_if_running("FAILED")
+        tail = " ".join(str(e).split())[-600:]
+        raise WorkbenchError(f"job {job.job_id} failed (logs in {output_dir / 'submitit'}): {tail}") from None
+    main = next(r for r in results if r["rank"] == 0)
+    parts = [f"{k}={v:.4f}" for k, v in main["metrics"].items()]
+    if main["epsilon"] is not None:
+        parts.append(f"epsilon={main['epsilon']:.3f}")
+    print(f"job {job.job_id} done: " + " ".join(parts) + f" steps={main['steps']} run_id={main['run_id']}", flush=True)
+    return main
+

@@ -77,9 +77,8 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None) -> TrainResu
         job = _build(cfg, d, compute_metrics)
         tracker = make_tracker(cfg, d.is_main)
         tags = {"backend": d.backend, "ddp_shard": cfg.ddp_shard, "world_size": d.world_size, "git_sha": git_sha(),
-                "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags,
-                **_hydra_tags()}
-        tracker.start(tags, run_id=job["resume_run_id"], sweep_dir=_sweep_dir())
+                "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags}
+        tracker.start(tags, run_id=job["resume_run_id"] or cfg.tracking.run_id, sweep_dir=cfg.tracking.sweep_dir)
         run_id = d.broadcast_object(tracker.run_id)
         return _fit(cfg, d, job, tracker, run_id, output_dir)
     except BaseException as e:
@@ -88,31 +87,6 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None) -> TrainResu
         raise
     finally:
         distributed.teardown(d)
-
-
-def _hydra_tags() -> dict[str, str]:
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        hc = HydraConfig.get()
-    except ValueError:
-        return {}
-    tags = {f"hydra.{k}": v for k, v in hc.runtime.choices.items() if v is not None and not k.startswith("hydra/")}
-    if hc.overrides.task:
-        tags["overrides"] = " ".join(hc.overrides.task)
-    return tags
-
-
-def _sweep_dir() -> str | None:
-    """The multirun sweep folder this job belongs to (its MLflow parent run is keyed by it), else None."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        hc = HydraConfig.get()
-    except ValueError:
-        return None
-    return str(Path(hc.sweep.dir).resolve()) if hc.mode == RunMode.MULTIRUN else None
 
 
 def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None) -> dict[str, Any]:

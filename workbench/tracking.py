@@ -78,6 +78,7 @@ class NullTracker:
     def log_figure(self, figure, name: str) -> None: ...
     def set_tags(self, tags: Mapping[str, Any]) -> None: ...
     def finish(self, status: str = "FINISHED") -> None: ...
+    def finish_if_running(self, status: str) -> None: ...
     def flush(self) -> None: ...
 
 
@@ -90,6 +91,7 @@ class MlflowTracker(NullTracker):
         self.uri = tracking_uri(cfg.tracking.uri)
         self.client = mlflow.MlflowClient(tracking_uri=self.uri)
         self.run_id = None
+        self.logged_until = {"loss": -1, "steps": -1, "eval_loss": -1}
 
     def _experiment_id(self) -> str:
         name = self.cfg.tracking.experiment_name
@@ -128,20 +130,35 @@ class MlflowTracker(NullTracker):
             return winner.info.run_id
         return min(found, key=lambda r: (r.info.start_time, r.info.run_id)).info.run_id
 
-    def start(self, tags: Mapping[str, Any], run_id: str | None = None, sweep_dir: str | None = None) -> None:
-        """Start a run (or continue `run_id` on resume) and record the resolved config as params and an artifact.
-        Inside a multirun sweep the run is a child of the sweep's parent run."""
+    def start(self, tags: Mapping[str, Any], run_id: str | None = None, sweep_dir: str | None = None,
+              pending: bool = False) -> None:
+        """Start a run, or continue `run_id` (created at submission, or the run of a resumed checkpoint).
+
+        The resolved config goes in as params and as an artifact, once. Inside a multirun sweep the run is a child of
+        the sweep's parent run. `pending`: created by a launcher before its job starts (status SCHEDULED).
+        """
         self.mlflow.set_tracking_uri(self.uri)
         experiment_id = self._experiment_id()
-        if run_id is not None:
-            _retry(lambda: self.client.update_run(run_id, status="RUNNING"))
-            self.run_id = run_id
-            return
         all_tags = {k: str(v) for k, v in tags.items() if v is not None}
-        if sweep_dir:
-            all_tags[PARENT_TAG] = self._sweep_parent(experiment_id, sweep_dir)
-        run = _retry(lambda: self.client.create_run(experiment_id, run_name=self.cfg.tracking.run_name, tags=all_tags))
-        self.run_id = run.info.run_id
+        if run_id is None:
+            if sweep_dir:
+                all_tags[PARENT_TAG] = self._sweep_parent(experiment_id, sweep_dir)
+            run = _retry(lambda: self.client.create_run(experiment_id, run_name=self.cfg.tracking.run_name, tags=all_tags))
+            run_id = run.info.run_id
+            self.run_id = run_id
+        else:
+            self.run_id = run_id
+            _retry(lambda: self.client.update_run(run_id, status="RUNNING"))
+            self.set_tags(all_tags)
+        if pending:
+            _retry(lambda: self.client.update_run(run_id, status="SCHEDULED"))
+            return
+        # A resumed run recomputes the steps after its checkpoint (same batches, same noise): log each step once.
+        for key in self.logged_until:
+            history = _retry(lambda key=key: self.client.get_metric_history(run_id, key))
+            self.logged_until[key] = max((m.step for m in history), default=-1)
+        if _retry(lambda: self.client.get_run(run_id)).data.params:
+            return
         container = OmegaConf.to_container(self.cfg, resolve=True)
         params = [self.mlflow.entities.Param(k, str(v)[:6000]) for k, v in flatten(container).items()]
         for i in range(0, len(params), 100):
@@ -152,6 +169,10 @@ class MlflowTracker(NullTracker):
             self.log_artifact(path)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        # Each logging call has a key that identifies it: training log, final summary or periodic eval.
+        key = next((k for k in self.logged_until if k in metrics), None)
+        if key is not None and step is not None and step <= self.logged_until[key]:
+            return  # logged before the interruption this run resumed from
         ts = int(time.time() * 1000)
         batch = [self.mlflow.entities.Metric(k, float(v), ts, step or 0) for k, v in metrics.items()]
         _retry(lambda: self.client.log_batch(self.run_id, metrics=batch))
@@ -169,6 +190,11 @@ class MlflowTracker(NullTracker):
     def finish(self, status: str = "FINISHED") -> None:
         if self.run_id is not None:
             _retry(lambda: self.client.set_terminated(self.run_id, status=status))
+
+    def finish_if_running(self, status: str) -> None:
+        """End the run unless its job already ended it (a launcher's view after the job returned)."""
+        if self.run_id is not None and _retry(lambda: self.client.get_run(self.run_id)).info.status in ("RUNNING", "SCHEDULED"):
+            self.finish(status)
 
 
 def make_tracker(cfg: DictConfig, is_main: bool) -> NullTracker:
