@@ -1,0 +1,19 @@
+"""User-style plug-ins (Hydra `_target_`s) that tests need."""
+
+import os
+import signal
+
+from workbench.data import Synthetic
+
+
+class DyingSynthetic(Synthetic):
+    """Synthetic data whose process is SIGKILLed at the Nth batch fetch when $WB_KILL_AT_FETCH=N: a hard crash
+    mid-training (as a node failure would be), at a deterministic step. Without the variable it is plain Synthetic."""
+
+    fetches = 0
+
+    def __getitems__(self, indices):
+        DyingSynthetic.fetches += 1
+        if os.environ.get("WB_KILL_AT_FETCH") == str(DyingSynthetic.fetches):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitems__(indices)

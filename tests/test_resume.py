@@ -1,0 +1,80 @@
+"""Checkpoint, resume and their refusals, through the real CLI and a real MLflow store."""
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from tests.conftest import run_cli
+from workbench import checkpoint
+from workbench.errors import WorkbenchError
+
+ARGS = ["experiment=quick", "data.train._target_=tests.plugins.DyingSynthetic", "max_steps=20", "save_steps=5",
+        "save_total_limit=2", "disable_tqdm=true"]
+
+
+def _final_model(run_dir):
+    return checkpoint.load(checkpoint.list_checkpoints(run_dir)[-1])
+
+
+def test_killed_run_resumes_to_the_same_parameters_and_epsilon(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {"MLFLOW_TRACKING_URI": uri}
+    whole = run_cli(*ARGS, f"output_dir={tmp_path / 'whole'}", cwd=tmp_path, env=env)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+
+    crashed = run_cli(*ARGS, f"output_dir={tmp_path / 'crashed'}", cwd=tmp_path, env={**env, "WB_KILL_AT_FETCH": "13"})
+    assert crashed.returncode == -9  # SIGKILL during step 12: checkpoints at 5 and 10 exist
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "crashed")] == ["checkpoint-5.pt", "checkpoint-10.pt"]
+    resumed = run_cli(*ARGS, f"output_dir={tmp_path / 'crashed'}", "resume_from_checkpoint=latest", cwd=tmp_path, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+    a, b = _final_model(tmp_path / "whole"), _final_model(tmp_path / "crashed")
+    assert a["step"] == b["step"] == 20
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert a["accountant"] == b["accountant"]
+
+    client = MlflowClient(tracking_uri=uri)
+    runs = {r.data.params["output_dir"]: r for r in client.search_runs([client.get_experiment_by_name("workbench").experiment_id])}
+    assert len(runs) == 2  # the resumed job continued its own run
+    run_a, run_b = runs[str(tmp_path / "whole")], runs[str(tmp_path / "crashed")]
+    assert run_b.info.status == "FINISHED" and run_b.info.run_id == b["run_id"]
+    assert run_a.data.metrics["epsilon"] == run_b.data.metrics["epsilon"]
+    for key in ("loss", "epsilon"):
+        steps_a = [m.step for m in client.get_metric_history(run_a.info.run_id, key)]
+        steps_b = [m.step for m in client.get_metric_history(run_b.info.run_id, key)]
+        assert sorted(steps_b) == sorted(steps_a) == sorted(set(steps_b))  # no step logged twice
+
+
+def test_resume_refusals(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {"MLFLOW_TRACKING_URI": uri}
+    run_dir = tmp_path / "run"
+    assert run_cli(*ARGS, f"output_dir={run_dir}", cwd=tmp_path, env=env).returncode == 0
+    ckpts = checkpoint.list_checkpoints(run_dir)
+    assert [p.name for p in ckpts] == ["checkpoint-15.pt", "checkpoint-20.pt"]  # save_total_limit=2 rotates
+    assert not list((run_dir / "checkpoints").glob(".*tmp*"))  # no half-written file left behind
+
+    other_privacy = run_cli(*ARGS, f"output_dir={run_dir}", "resume_from_checkpoint=latest", "privacy.max_grad_norm=2",
+                            cwd=tmp_path, env=env)
+    assert other_privacy.returncode == 2 and "different privacy config" in other_privacy.stderr
+
+    missing = run_cli(*ARGS, f"output_dir={tmp_path / 'x'}", f"resume_from_checkpoint={tmp_path / 'nope.pt'}",
+                      cwd=tmp_path, env=env)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(ckpts[-1].read_bytes()[:1000])
+    bad = run_cli(*ARGS, f"output_dir={tmp_path / 'y'}", f"resume_from_checkpoint={corrupt}", cwd=tmp_path, env=env)
+    assert bad.returncode == 2 and "not a readable workbench checkpoint" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+    client = MlflowClient(tracking_uri=uri)
+    statuses = [r.info.status for r in client.search_runs([client.get_experiment_by_name("workbench").experiment_id])]
+    assert statuses == ["FINISHED"]  # refusals happen before any run starts
+
+
+def test_not_a_checkpoint_is_refused(tmp_path):
+    path = tmp_path / "weights.pt"
+    torch.save({"weight": torch.zeros(2)}, path)
+    with pytest.raises(WorkbenchError, match="not a workbench checkpoint"):
+        checkpoint.load(path)
