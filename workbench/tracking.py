@@ -123,6 +123,8 @@ class MlflowTracker(NullTracker):
             name = f"sweep {Path(sweep_dir).parent.name}/{Path(sweep_dir).name}"
             mine = _retry(lambda: self.client.create_run(experiment_id, run_name=name,
                                                          tags={SWEEP_TAG: sweep_dir, "workbench.role": "sweep"}))
+            # A parent only groups its children: it is never left RUNNING.
+            _retry(lambda: self.client.set_terminated(mine.info.run_id, status="FINISHED"))
             found = parents()
             winner = min(found, key=lambda r: (r.info.start_time, r.info.run_id))
             if winner.info.run_id != mine.info.run_id:
