@@ -36,3 +36,6 @@ def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, *module, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+from tests.slurm_cluster import slurm_cluster  # noqa: E402,F401  (session-scoped: a real SLURM with accounting)

@@ -17,3 +17,13 @@ class DyingSynthetic(Synthetic):
         if os.environ.get("WB_KILL_AT_FETCH") == str(DyingSynthetic.fetches):
             os.kill(os.getpid(), signal.SIGKILL)
         return super().__getitems__(indices)
+
+
+class SlowSynthetic(Synthetic):
+    """Synthetic data that takes $WB_FETCH_SLEEP seconds per batch: a long-enough run to interrupt, same numbers."""
+
+    def __getitems__(self, indices):
+        import time
+
+        time.sleep(float(os.environ.get("WB_FETCH_SLEEP", "0")))
+        return super().__getitems__(indices)
