@@ -1,0 +1,297 @@
+"""workbench.privacy: epsilon agrees with dp_accounting computed directly here, calibration never overshoots,
+budgets are consistent, errors are one clear WorkbenchError."""
+
+import io
+import math
+
+import dp_accounting
+import pytest
+import torch
+from dp_accounting.dp_event import MixtureOfGaussiansDpEvent
+from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
+from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
+
+from workbench import privacy
+from workbench.errors import WorkbenchError
+
+DELTA = 1e-5
+REL = 1e-9  # "equal": the same computation, allowing for last-bit differences between numpy code paths
+
+
+def direct_poisson_pld(q, sigma, steps, delta, d):
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    return PLDAccountant(value_discretization_interval=d).compose(event).get_epsilon(delta)
+
+
+def direct_poisson_rdp(q, sigma, steps, delta):
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    return RdpAccountant().compose(event).get_epsilon(delta)
+
+
+def direct_parallel_poisson_pld(q_r, sigma, world_size, steps, delta, d):
+    """W ranks each Poisson-sample every example at q_r: multiplicity K ~ Binomial(W, q_r), sensitivity K."""
+    probs = [math.comb(world_size, k) * q_r**k * (1 - q_r) ** (world_size - k) for k in range(world_size + 1)]
+    event = dp_accounting.SelfComposedDpEvent(
+        MixtureOfGaussiansDpEvent(sigma, list(range(world_size + 1)), probs), steps)
+    return PLDAccountant(value_discretization_interval=d).compose(event).get_epsilon(delta)
+
+
+# ------------------------------------------------------------------------------------ agreement with dp_accounting
+
+
+@pytest.mark.parametrize("q, sigma, steps", [(0.01, 1.0, 1000), (256 / 1437, 1.1, 60), (0.001, 0.8, 20000),
+                                             (1.0, 5.0, 10)])
+def test_pld_epsilon_equals_direct_dp_accounting(q, sigma, steps):
+    acc = privacy.Accountant("pld", q, sigma)
+    expected = direct_poisson_pld(q, sigma, steps, DELTA, privacy.DEFAULT_PLD_DISCRETIZATION)
+    assert acc.epsilon(steps, DELTA) == pytest.approx(expected, rel=REL)
+    coarse = privacy.Accountant("pld", q, sigma, pld_discretization=1e-3)
+    assert coarse.epsilon(steps, DELTA) == pytest.approx(direct_poisson_pld(q, sigma, steps, DELTA, 1e-3), rel=REL)
+
+
+@pytest.mark.parametrize("q, sigma, steps", [(0.01, 1.0, 1000), (256 / 1437, 1.1, 60), (0.001, 0.8, 20000)])
+def test_rdp_epsilon_equals_direct_dp_accounting(q, sigma, steps):
+    acc = privacy.Accountant("rdp", q, sigma)
+    assert acc.epsilon(steps, DELTA) == pytest.approx(direct_poisson_rdp(q, sigma, steps, DELTA), rel=REL)
+
+
+@pytest.mark.parametrize("q, sigma, steps", [(0.001, 0.8, 20000), (256 / 1437, 1.5, 100), (0.05, 2.0, 500)])
+def test_prv_close_to_pld_and_rdp_looser(q, sigma, steps):
+    pld = privacy.Accountant("pld", q, sigma).epsilon(steps, DELTA)
+    prv = privacy.Accountant("prv", q, sigma).epsilon(steps, DELTA)
+    rdp = privacy.Accountant("rdp", q, sigma).epsilon(steps, DELTA)
+    assert prv == pytest.approx(pld, rel=0.01, abs=0.03)
+    assert pld <= prv + 0.005  # pld (default) is the tightest: PRV reports an upper bound within eps_error=0.01
+    assert pld < rdp
+
+
+# ----------------------------------------------------------------------------------------- parallel Poisson
+
+
+def test_global_with_one_rank_is_poisson_exactly():
+    assert privacy.dp_event(0.05, 1.2, 300, 1, "global") == privacy.dp_event(0.05, 1.2, 300, 1, "per_rank")
+    for kind in ("pld", "rdp", "prv"):
+        a = privacy.Accountant(kind, 0.05, 1.2, 1, "global").epsilon(300, DELTA)
+        b = privacy.Accountant(kind, 0.05, 1.2, 1, "per_rank").epsilon(300, DELTA)
+        assert a == b, kind
+
+
+def test_mixture_event_with_one_rank_matches_poisson():
+    """The mixture formulation itself reduces to Poisson at W=1 (up to dp_accounting's numerical inversion)."""
+    d = 2e-3
+    mixture = direct_parallel_poisson_pld(0.05, 2.0, 1, 100, DELTA, d)
+    assert mixture == pytest.approx(direct_poisson_pld(0.05, 2.0, 100, DELTA, d), rel=1e-4)
+
+
+@pytest.mark.parametrize("world_size, sigma, d", [(2, 2.0, 2e-3), (3, 3.0, 2e-3)])
+def test_global_equals_direct_mixture_of_gaussians(world_size, sigma, d):
+    q_r, steps = 0.05, 100
+    acc = privacy.Accountant("pld", q_r, sigma, world_size, "global", pld_discretization=d)
+    expected = direct_parallel_poisson_pld(q_r, sigma, world_size, steps, DELTA, d)
+    assert acc.epsilon(steps, DELTA) == pytest.approx(expected, rel=REL)
+
+
+def test_dp_event_shapes():
+    e = privacy.dp_event(0.1, 1.0, 7, 3, "global")
+    assert isinstance(e, dp_accounting.SelfComposedDpEvent) and e.count == 7
+    assert isinstance(e.event, MixtureOfGaussiansDpEvent)
+    assert list(e.event.sensitivities) == [0, 1, 2, 3]
+    assert sum(e.event.sampling_probs) == pytest.approx(1.0)
+    assert e.event.sampling_probs[3] == pytest.approx(0.1**3)
+    p = privacy.dp_event(0.1, 1.0, 7)
+    assert p == dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(1.0)), 7)
+
+
+def test_global_sanity_ordering():
+    """Numerical sanity, with margins: more ranks means a larger multiplicity, which reveals more. K ~ Binomial(W, q_r)
+    is a mean-preserving spread of Bernoulli(W q_r) and stochastically dominates Bernoulli(q_r); we observe (and
+    assert only) per_rank(q_r) < per_rank(W q_r) <= global(W, q_r), global finite and increasing in W."""
+    q_r, sigma, steps, d = 0.03, 1.5, 200, 1e-3
+
+    def eps(q, w=1):
+        return privacy.Accountant("pld", q, sigma, w, "global", pld_discretization=d).epsilon(steps, DELTA)
+
+    per_rank = eps(q_r)
+    previous = per_rank
+    for w in (2, 3):
+        g = eps(q_r, w)
+        assert math.isfinite(g)
+        assert per_rank < eps(w * q_r) <= g
+        assert g > previous
+        previous = g
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+
+
+@pytest.mark.parametrize("q, steps", [(256 / 1437, 60), (0.01, 2000)])
+@pytest.mark.parametrize("target", [1.0, 3.0, 8.0])
+def test_calibrate_noise_never_overshoots_and_is_tight(q, steps, target):
+    sigma = privacy.calibrate_noise("pld", q, steps, target, DELTA)
+    assert privacy.Accountant("pld", q, sigma).epsilon(steps, DELTA) <= target
+    assert sigma == privacy.SIGMA_MIN or privacy.Accountant("pld", q, sigma * 0.98).epsilon(steps, DELTA) > target
+
+
+@pytest.mark.parametrize("kind", ["rdp", "prv"])
+def test_calibrate_noise_uses_the_same_accountant(kind):
+    q, steps, target = 0.05, 300, 2.0
+    sigma = privacy.calibrate_noise(kind, q, steps, target, DELTA)
+    assert privacy.Accountant(kind, q, sigma).epsilon(steps, DELTA) <= target
+    assert privacy.Accountant(kind, q, sigma * 0.98).epsilon(steps, DELTA) > target
+
+
+def test_calibrate_noise_global():
+    q_r, steps, target, w, d = 0.02, 100, 3.0, 3, 1e-3
+    sigma = privacy.calibrate_noise("pld", q_r, steps, target, DELTA, w, "global", pld_discretization=d)
+    assert direct_parallel_poisson_pld(q_r, sigma, w, steps, DELTA, d) <= target  # stock dp_accounting agrees
+    tighter = privacy.Accountant("pld", q_r, sigma * 0.98, w, "global", pld_discretization=d)
+    assert tighter.epsilon(steps, DELTA) > target
+    # more ranks sampling the same examples need more noise
+    assert sigma > privacy.calibrate_noise("pld", q_r, steps, target, DELTA, pld_discretization=d)
+
+
+def test_calibrate_noise_passes_discretization_through():
+    sigma = privacy.calibrate_noise("pld", 0.05, 100, 2.0, DELTA, pld_discretization=1e-3)
+    assert direct_poisson_pld(0.05, sigma, 100, DELTA, 1e-3) <= 2.0
+
+
+def test_calibrate_noise_returns_lower_bracket_when_it_suffices():
+    assert privacy.calibrate_noise("pld", 0.01, 1, 1000.0, DELTA) == privacy.SIGMA_MIN
+
+
+def test_calibrate_noise_unreachable_target():
+    with pytest.raises(WorkbenchError, match=r"target_epsilon=1e-06 is unreachable.*noise_multiplier=1000.*epsilon="):
+        privacy.calibrate_noise("pld", 0.5, 1000, 1e-6, DELTA)
+
+
+# ----------------------------------------------------------------------------------------- budget / ledger
+
+
+def test_epsilon_basics():
+    acc = privacy.Accountant("pld", 0.05, 1.0)
+    assert acc.epsilon(0, DELTA) == 0.0
+    e = acc.epsilon(100, DELTA)
+    assert 0 < e < math.inf and acc.epsilon(100, DELTA) == e  # cached
+    assert acc.epsilon(200, DELTA) > e
+    assert acc.epsilon(100, 1e-3) < e
+    assert privacy.Accountant("pld", 0.05, 0.0).epsilon(1, DELTA) == math.inf
+    acc.step()
+    acc.step(4)
+    assert acc.steps == 5
+
+
+@pytest.mark.parametrize("kind", ["pld", "rdp"])
+def test_max_steps_consistent_with_epsilon(kind):
+    acc = privacy.Accountant(kind, 0.05, 1.5)
+    targets = [1.0, 2.0, 4.0, 8.0]
+    budgets = [acc.max_steps(t, DELTA, 2000) for t in targets]
+    assert budgets == sorted(budgets) and budgets[0] < budgets[-1]
+    for t, m in zip(targets, budgets):
+        assert 0 < m < 2000
+        assert acc.epsilon(m, DELTA) <= t < acc.epsilon(m + 1, DELTA)
+    assert acc.max_steps(1e-4, DELTA, 2000) == 0  # even one step exceeds
+    assert acc.max_steps(100.0, DELTA, 2000) == 2000  # the cap binds
+    assert acc.max_steps(1.0, DELTA, 0) == 0
+
+
+def test_state_dict_round_trip_through_torch_save():
+    acc = privacy.Accountant("pld", 0.05, 1.3, 2, "global", pld_discretization=1e-3)
+    acc.step(17)
+    state = acc.state_dict()
+    assert set(state) == {"kind", "sample_rate", "noise_multiplier", "world_size", "shard", "pld_discretization",
+                          "steps"}
+    assert all(type(v) in (str, int, float) for v in state.values())
+    buf = io.BytesIO()
+    torch.save({"accountant": state}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)["accountant"]
+    assert loaded == state
+
+    fresh = privacy.Accountant("pld", 0.05, 1.3, 2, "global", pld_discretization=1e-3)
+    fresh.load_state_dict(loaded)
+    assert fresh.steps == 17 and fresh.state_dict() == state
+    rebuilt = privacy.Accountant.from_state_dict(loaded)
+    assert rebuilt.state_dict() == state
+    assert rebuilt.epsilon(17, DELTA) == acc.epsilon(17, DELTA)
+
+
+def test_load_state_dict_refuses_a_different_mechanism():
+    acc = privacy.Accountant("pld", 0.05, 1.3)
+    other = privacy.Accountant("pld", 0.05, 1.4).state_dict()
+    with pytest.raises(WorkbenchError, match="noise_multiplier"):
+        acc.load_state_dict(other)
+    with pytest.raises(WorkbenchError, match="missing steps"):
+        acc.load_state_dict({k: v for k, v in acc.state_dict().items() if k != "steps"})
+
+
+# --------------------------------------------------------------------------------------------------- errors
+
+
+def test_unknown_accountant_kind():
+    with pytest.raises(WorkbenchError, match="accountant 'gdp' is unknown"):
+        privacy.Accountant("gdp", 0.1, 1.0)
+    with pytest.raises(WorkbenchError, match="accountant 'gdp' is unknown"):
+        privacy.calibrate_noise("gdp", 0.1, 10, 1.0, DELTA)
+
+
+@pytest.mark.parametrize("kind", ["rdp", "prv"])
+def test_global_needs_pld(kind):
+    with pytest.raises(WorkbenchError, match=f"accountant '{kind}' does not support shard=global.*accountant=pld"):
+        privacy.Accountant(kind, 0.1, 1.0, 2, "global")
+    with pytest.raises(WorkbenchError, match="does not support shard=global"):
+        privacy.calibrate_noise(kind, 0.1, 10, 1.0, DELTA, 2, "global")
+
+
+def test_bad_mechanism_arguments():
+    with pytest.raises(WorkbenchError, match="shard='both'"):
+        privacy.Accountant("pld", 0.1, 1.0, 2, "both")
+    with pytest.raises(WorkbenchError, match="sample_rate"):
+        privacy.Accountant("pld", 0.0, 1.0)
+    with pytest.raises(WorkbenchError, match="sample_rate"):
+        privacy.Accountant("pld", 1.5, 1.0)
+    with pytest.raises(WorkbenchError, match="noise_multiplier"):
+        privacy.Accountant("pld", 0.1, -1.0)
+    with pytest.raises(WorkbenchError, match="world_size"):
+        privacy.Accountant("pld", 0.1, 1.0, 0)
+    with pytest.raises(WorkbenchError, match="delta"):
+        privacy.Accountant("pld", 0.1, 1.0).epsilon(10, 1.0)
+    with pytest.raises(WorkbenchError, match="target_epsilon"):
+        privacy.calibrate_noise("pld", 0.1, 10, 0.0, DELTA)
+
+
+@pytest.mark.parametrize("kwargs, bad", [
+    (dict(target_epsilon=0.0), "target_epsilon"),
+    (dict(target_epsilon=-1.0), "target_epsilon"),
+    (dict(delta=1.0), "delta"),
+    (dict(delta=0.0), "delta"),
+    (dict(delta=1.5), "delta"),
+    (dict(max_grad_norm=0.0), "max_grad_norm"),
+    (dict(max_grad_norm=-1.0), "max_grad_norm"),
+    (dict(noise_multiplier=-0.5), "noise_multiplier"),
+])
+def test_validate_privacy_args_errors(kwargs, bad):
+    args = dict(target_epsilon=3.0, delta=1e-5, noise_multiplier=None, max_grad_norm=1.0, dataset_size=1437)
+    args.update(kwargs)
+    with pytest.raises(WorkbenchError, match=bad) as info:
+        privacy.validate_privacy_args(**args)
+    assert "\n" not in str(info.value)
+
+
+def test_validate_privacy_args_warnings():
+    assert privacy.validate_privacy_args(3.0, 1e-5, None, 1.0, 1437) == []
+    assert privacy.validate_privacy_args(None, None, 1.0, 1.0, 1437) == []
+    (warning,) = privacy.validate_privacy_args(3.0, 1e-3, None, 1.0, 1437)
+    assert "delta=0.001" in warning and "1/N" in warning and "1437" in warning
+
+
+def test_default_delta_is_below_one_over_n():
+    assert privacy.default_delta(1437) == 1e-5
+    assert privacy.default_delta(60000) == 1e-6
+    assert privacy.default_delta(10) == 1e-5
+    for n in (1, 9, 10, 11, 99999, 100000, 100001, 10**7):
+        assert privacy.default_delta(n) < 1 / n
+    with pytest.raises(WorkbenchError, match="dataset_size"):
+        privacy.default_delta(0)
