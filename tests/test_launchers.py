@@ -1,0 +1,134 @@
+"""`launcher=slurm` against a real SLURM with accounting (tests/slurm_cluster.py): jobs, sweeps, preemption."""
+
+import os
+import time
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from tests.conftest import REPO, run_cli
+from workbench import checkpoint, compose
+
+pytestmark = pytest.mark.slow
+
+
+def _runs(uri):
+    client = MlflowClient(tracking_uri=uri)
+    return client, client.search_runs([client.get_experiment_by_name("workbench").experiment_id])
+
+
+def test_two_task_job_completes_as_one_run(slurm_cluster, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = run_cli("launcher=slurm", "launcher.tasks_per_node=2", "backend=gloo", "experiment=quick",
+                   "disable_tqdm=true", cwd=tmp_path, env={"MLFLOW_TRACKING_URI": uri})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    job_id = proc.stdout.split("submitted job ")[1].split()[0]
+    assert slurm_cluster.wait_state(job_id, "COMPLETED", timeout=60) == "COMPLETED"
+    _, runs = _runs(uri)
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.data.metrics["world_size"] == 2
+    assert run.data.tags["job_id"] == job_id and run.data.tags["launcher"] == "slurm"
+    run_dirs = list((tmp_path / "outputs").glob("*/*"))
+    assert len(run_dirs) == 1  # one run folder chosen before submission
+    logs = sorted(p.name for p in (run_dirs[0] / "submitit").glob("*_log.out"))
+    assert logs == [f"{job_id}_0_log.out", f"{job_id}_1_log.out"]  # every rank's output is kept
+
+
+def test_sweep_through_slurm_is_a_parent_with_two_children(slurm_cluster, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = run_cli("-m", "launcher=slurm", "experiment=quick", "seed=0,1", "disable_tqdm=true", cwd=tmp_path,
+                   env={"MLFLOW_TRACKING_URI": uri})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    _, runs = _runs(uri)
+    parents = [r for r in runs if r.data.tags.get("workbench.role") == "sweep"]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(parents) == 1 and len(children) == 2
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
+    assert sorted(c.data.params["seed"] for c in children) == ["0", "1"]
+    assert all(c.info.status == "FINISHED" for c in children)
+
+
+PREEMPT_ARGS = ["experiment=quick", "data.train._target_=tests.plugins.SlowSynthetic", "max_steps=60",
+                "save_steps=5", "disable_tqdm=true"]
+
+
+def test_preempted_job_requeues_and_ends_like_an_uninterrupted_run(slurm_cluster, tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("WB_FETCH_SLEEP", "0.15")  # ~9 s of training: time to preempt it mid-run
+    monkeypatch.chdir(tmp_path)
+    from workbench.launch import launch
+
+    # timeout_min > 10: submitit 1.5.4 counts any USR2 in a shorter job as a timeout, not a preemption.
+    cfg = compose([*PREEMPT_ARGS, f"output_dir={tmp_path / 'preempted'}", "launcher=slurm", "launcher.wait=false",
+                   "launcher.timeout_min=30"])
+    job = launch(cfg)
+    deadline = time.monotonic() + 120
+    while not checkpoint.list_checkpoints(tmp_path / "preempted"):
+        assert time.monotonic() < deadline and not job.done(), "the job never wrote its first checkpoint"
+        time.sleep(0.2)
+    job._interrupt()  # submitit's preemption path: USR2 -> Job.checkpoint() -> scontrol requeue
+    slurm_cluster.release_requeued(job.job_id)
+    result = job.result()
+    assert slurm_cluster.requeue_count(job.job_id) == 1
+    assert slurm_cluster.wait_state(job.job_id, "COMPLETED", timeout=60) == "COMPLETED"
+
+    monkeypatch.setenv("WB_FETCH_SLEEP", "0")
+    from workbench.run import train
+
+    whole = train(compose([*PREEMPT_ARGS, f"output_dir={tmp_path / 'whole'}"]))
+    assert result["epsilon"] == whole.epsilon and result["steps"] == whole.steps == 60
+    a = checkpoint.load(checkpoint.list_checkpoints(tmp_path / "whole")[-1])
+    b = checkpoint.load(checkpoint.list_checkpoints(tmp_path / "preempted")[-1])
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+    client, runs = _runs(uri)
+    run = next(r for r in runs if r.info.run_id == result["run_id"])
+    assert run.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert sorted(steps) == sorted(set(steps)) == list(range(5, 61, 5))  # resumed without logging a step twice
+
+
+def test_slurm_bad_input_fails_with_sbatch_message(slurm_cluster, tmp_path):
+    proc = run_cli("launcher=slurm", "launcher.partition=nosuchpartition", "experiment=quick", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "submission failed" in proc.stderr and "partition" in proc.stderr.lower()
+    assert "Traceback" not in proc.stderr
+    client, runs = _runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert [r.info.status for r in runs] == ["FAILED"]  # the run made at submission is not left RUNNING
+
+
+def test_slurm_without_sbatch_fails_fast(tmp_path):
+    env = {"PATH": os.path.dirname(os.sys.executable)}  # a PATH without SLURM's binaries
+    proc = run_cli("launcher=slurm", "experiment=quick", cwd=tmp_path, env=env)
+    assert proc.returncode == 2 and "needs SLURM's sbatch" in proc.stderr
+
+
+def test_local_launcher_rejects_zero_processes(tmp_path):
+    proc = run_cli("launcher=local", "launcher.nprocs=0", cwd=tmp_path)
+    assert proc.returncode == 2 and "launcher.nprocs must be >= 1" in proc.stderr
+
+
+def test_local_launcher_runs_two_ranks_as_one_job(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = run_cli("launcher=local", "launcher.nprocs=2", "experiment=quick", "shard=global", "disable_tqdm=true",
+                   cwd=tmp_path, env={"MLFLOW_TRACKING_URI": uri})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "done:" in proc.stdout
+    _, runs = _runs(uri)
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED" and runs[0].data.metrics["world_size"] == 2
+    assert runs[0].data.tags["ddp_shard"] == "global"
+
+
+def test_local_launcher_fails_when_a_rank_fails(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    # A failure inside the job (compute_metrics is resolved by the ranks, after submission) fails the launch.
+    proc = run_cli("launcher=local", "launcher.nprocs=2", "experiment=quick", "compute_metrics=os.path.nosuch",
+                   cwd=tmp_path, env={"MLFLOW_TRACKING_URI": uri})
+    assert proc.returncode == 2
+    assert "failed" in proc.stderr and "compute_metrics='os.path.nosuch'" in proc.stderr
+    _, runs = _runs(uri)
+    assert [r.info.status for r in runs] == ["FAILED"]
