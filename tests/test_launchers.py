@@ -132,3 +132,17 @@ def test_local_launcher_fails_when_a_rank_fails(tmp_path):
     assert "failed" in proc.stderr and "compute_metrics='os.path.nosuch'" in proc.stderr
     _, runs = _runs(uri)
     assert [r.info.status for r in runs] == ["FAILED"]
+
+
+@pytest.mark.parametrize("plugin", ["submitit_local", "submitit_slurm"])
+def test_hydra_submitit_plugin_jobs_detect_their_ranks(request, tmp_path, plugin):
+    if plugin == "submitit_slurm":
+        request.getfixturevalue("slurm_cluster")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = run_cli("-m", f"hydra/launcher={plugin}", "hydra.launcher.tasks_per_node=2", "experiment=quick",
+                   "disable_tqdm=true", cwd=tmp_path, env={"MLFLOW_TRACKING_URI": uri})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    _, runs = _runs(uri)
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(children) == 1  # every rank ran the task function, one run per job
+    assert children[0].info.status == "FINISHED" and children[0].data.metrics["world_size"] == 2
