@@ -27,3 +27,8 @@ class SlowSynthetic(Synthetic):
 
         time.sleep(float(os.environ.get("WB_FETCH_SLEEP", "0")))
         return super().__getitems__(indices)
+
+
+def broken_metrics(pred):
+    """A compute_metrics that fails at eval time, after the run has started."""
+    raise ValueError("metric exploded")
