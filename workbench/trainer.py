@@ -147,7 +147,7 @@ class GradientStep:
                                         alpha=self.sigma * self.clip)
         self.dist.all_reduce_(self.flat)
         for p, view in zip(self.params, self.grad_views):
-            p.grad = view.clone()
+            p.grad = view  # a view into the reduced buffer: no copy; the next step re-zeroes the buffer
         return float(self.flat[-2]), float(self.flat[-1])
 
 
@@ -176,6 +176,61 @@ class History:
     epsilon: list[float] = field(default_factory=list)
 
 
+class StepLogger:
+    """Logs step metrics off the training thread: MLflow round trips and the accountant's epsilon (a PLD composition,
+    ~0.1 s) never stall a step. Epsilon is computed for the newest pending log line; when the accountant falls behind,
+    older lines are logged without it. The final step always gets its epsilon."""
+
+    def __init__(self, tracker, accountant, delta: float | None):
+        import queue
+        import threading
+
+        self.tracker, self.accountant, self.delta = tracker, accountant, delta
+        self.history = History()
+        self.latest_epsilon: float | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="workbench-step-logger", daemon=True)
+        self._thread.start()
+
+    def log(self, step: int, metrics: dict[str, float], final: bool = False) -> None:
+        if self._error is not None:
+            raise RuntimeError("step logging failed") from self._error
+        self._queue.put((step, metrics, final))
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            backlog = [item]
+            while not self._queue.empty():
+                backlog.append(self._queue.get())
+            stop = backlog[-1] is None
+            backlog = [b for b in backlog if b is not None]
+            try:
+                for i, (step, metrics, final) in enumerate(backlog):
+                    eps = None
+                    if self.accountant is not None and (i == len(backlog) - 1 or final):
+                        eps = self.latest_epsilon = self.accountant.epsilon(step, self.delta)
+                    self.tracker.log_metrics({**metrics, **({"epsilon": eps} if eps is not None else {})}, step)
+                    self.history.steps.append(step)
+                    self.history.loss.append(metrics["loss"])
+                    self.history.epsilon.append(float("nan") if eps is None else eps)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
+                self._error = e
+                return
+            if stop:
+                return
+
+    def close(self) -> History:
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError("step logging failed") from self._error
+        return self.history
+
+
 class Trainer:
     """The loop: Poisson batches -> GradientStep -> optimizer, with logging, eval, checkpoints and the budget stop."""
 
@@ -189,9 +244,6 @@ class Trainer:
         self.expected_batch, self.total_steps, self.start_step, self.save_fn = expected_batch, total_steps, start_step, save_fn
         self.history = History()
 
-    def epsilon(self, steps: int) -> float | None:
-        return None if self.accountant is None else self.accountant.epsilon(steps, self.delta)
-
     def fit(self) -> int:
         """Train from start_step to total_steps; returns the number of steps taken in all."""
         from tqdm.auto import tqdm
@@ -199,41 +251,40 @@ class Trainer:
         cfg, step = self.cfg, self.start_step
         bar = tqdm(total=self.total_steps, initial=step, desc="train", dynamic_ncols=True,
                    disable=cfg.disable_tqdm or not self.dist.should_log)
+        logger = StepLogger(self.tracker, self.accountant if self.dist.is_main else None, self.delta)
         window_loss, window_count, window_start = 0.0, 0.0, time.perf_counter()
         self.model.train()
-        for batch in self.loader:
-            loss_sum, count = self.step_fn(batch, step)
-            for p in self.step_fn.params:
-                p.grad.div_(self.expected_batch)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
-            if self.accountant is not None:
-                self.accountant.step()
-            step += 1
-            window_loss, window_count = window_loss + loss_sum, window_count + count
-            bar.update(1)
-            if step % cfg.logging_steps == 0 or step == self.total_steps:
-                elapsed = time.perf_counter() - window_start
-                metrics = {"loss": window_loss / max(window_count, 1.0),
-                           "learning_rate": self.scheduler.get_last_lr()[0],
-                           "samples_per_second": window_count / max(elapsed, 1e-9),
-                           "epoch": step * self.expected_batch / self.population}
-                eps = self.epsilon(step)
-                if eps is not None:
-                    metrics["epsilon"] = eps
-                self.tracker.log_metrics(metrics, step)
-                self.history.steps.append(step)
-                self.history.loss.append(metrics["loss"])
-                self.history.epsilon.append(eps if eps is not None else float("nan"))
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}", **({"eps": f"{eps:.3f}"} if eps is not None else {}))
-                window_loss, window_count, window_start = 0.0, 0.0, time.perf_counter()
-            if cfg.eval_steps and step % cfg.eval_steps == 0 and step < self.total_steps:
-                self.tracker.log_metrics(self.evaluator(), step)
-                self.model.train()
-            if cfg.save_steps and step % cfg.save_steps == 0 and step < self.total_steps:
-                self.save_fn(step)
-        bar.close()
+        try:
+            for batch in self.loader:
+                loss_sum, count = self.step_fn(batch, step)
+                for p in self.step_fn.params:
+                    p.grad.div_(self.expected_batch)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.scheduler.step()
+                if self.accountant is not None:
+                    self.accountant.step()
+                step += 1
+                window_loss, window_count = window_loss + loss_sum, window_count + count
+                bar.update(1)
+                if step % cfg.logging_steps == 0 or step == self.total_steps:
+                    elapsed = time.perf_counter() - window_start
+                    loss = window_loss / max(window_count, 1.0)
+                    logger.log(step, {"loss": loss, "learning_rate": self.scheduler.get_last_lr()[0],
+                                      "samples_per_second": window_count / max(elapsed, 1e-9),
+                                      "epoch": step * self.expected_batch / self.population},
+                               final=step == self.total_steps)
+                    eps = logger.latest_epsilon
+                    bar.set_postfix(loss=f"{loss:.4f}", **({"eps": f"{eps:.3f}"} if eps is not None else {}))
+                    window_loss, window_count, window_start = 0.0, 0.0, time.perf_counter()
+                if cfg.eval_steps and step % cfg.eval_steps == 0 and step < self.total_steps:
+                    self.tracker.log_metrics(self.evaluator(), step)
+                    self.model.train()
+                if cfg.save_steps and step % cfg.save_steps == 0 and step < self.total_steps:
+                    self.save_fn(step)
+        finally:
+            self.history = logger.close()
+            bar.close()
         return step
 
 
