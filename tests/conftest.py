@@ -14,6 +14,12 @@ torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_dir(tmp_path, monkeypatch):
+    """Every test runs in its own folder: MLflow's ./mlruns, Hydra's outputs/ never land in the repository."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture
 def mlflow_uri(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'mlflow.db'}"

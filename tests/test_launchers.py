@@ -51,7 +51,7 @@ def test_sweep_through_slurm_is_a_parent_with_two_children(slurm_cluster, tmp_pa
 
 
 PREEMPT_ARGS = ["experiment=quick", "data.train._target_=tests.plugins.SlowSynthetic", "max_steps=60",
-                "save_steps=5", "disable_tqdm=true"]
+                "save_steps=5", "disable_tqdm=true", "privacy.secure_seed=99"]
 
 
 def test_preempted_job_requeues_and_ends_like_an_uninterrupted_run(slurm_cluster, tmp_path, monkeypatch):

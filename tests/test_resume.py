@@ -8,8 +8,9 @@ from tests.conftest import run_cli
 from workbench import checkpoint
 from workbench.errors import WorkbenchError
 
+# A fixed secure_seed makes two separate runs comparable bit for bit (by default each run draws a fresh secret).
 ARGS = ["experiment=quick", "data.train._target_=tests.plugins.DyingSynthetic", "max_steps=20", "save_steps=5",
-        "save_total_limit=2", "disable_tqdm=true"]
+        "save_total_limit=2", "disable_tqdm=true", "privacy.secure_seed=1234"]
 
 
 def _final_model(run_dir):
@@ -78,3 +79,21 @@ def test_not_a_checkpoint_is_refused(tmp_path):
     torch.save({"weight": torch.zeros(2)}, path)
     with pytest.raises(WorkbenchError, match="not a workbench checkpoint"):
         checkpoint.load(path)
+
+
+def test_streams_are_secret_unless_pinned(make_cfg, mlflow_uri):
+    from workbench import train
+
+    a = train(make_cfg("experiment=quick"))
+    b = train(make_cfg("experiment=quick"))  # same seed, same config: a fresh secret, other batches and noise
+    assert not all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
+    assert a.epsilon == b.epsilon
+    pinned = [train(make_cfg("experiment=quick", "privacy.secure_seed=7")) for _ in range(2)]
+    assert all(torch.equal(x, y) for x, y in zip(pinned[0].model.parameters(), pinned[1].model.parameters()))
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    run = client.get_run(pinned[0].run_id)
+    assert run.data.params["privacy.secure_seed"] == "<redacted>"
+    # The checkpoint published to MLflow leaves the secret out; the run folder's own copy keeps it for resume.
+    local = client.download_artifacts(run.info.run_id, "checkpoints", str(pinned[0].output_dir / "published"))
+    published = checkpoint.load(next(__import__("pathlib").Path(local).glob("*.pt")))
+    assert "secret" not in published and checkpoint.load(pinned[0].checkpoint)["secret"] == 7

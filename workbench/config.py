@@ -33,7 +33,7 @@ REFUSED_KNOBS = ("split_batches", "dispatch_batches", "even_batches", "use_seeda
 PRIVACY_FIELDS = (
     "per_device_train_batch_size", "max_steps", "num_train_epochs", "seed", "data_seed", "ddp_shard",
     "privacy.enabled", "privacy.accountant", "privacy.target_epsilon", "privacy.target_delta",
-    "privacy.noise_multiplier", "privacy.max_grad_norm", "data",
+    "privacy.noise_multiplier", "privacy.max_grad_norm", "privacy.secure_seed", "data",
 )
 
 
@@ -46,6 +46,11 @@ class PrivacyConfig:
     noise_multiplier: Optional[float] = None  # None: calibrated so that target_epsilon is met after all steps
     max_grad_norm: float = 1.0
     grad_sample_mode: str = "hooks"
+    # The secret that the Poisson-sampling and noise streams derive from (with seed / data_seed, rank and step).
+    # null: a fresh random secret per run, kept in its checkpoints (so a resumed run replays exactly) and never logged.
+    # Set it only to reproduce a run bit for bit: whoever knows it can strip the noise and see the batches, so the
+    # reported epsilon does not hold against them. MLflow shows it redacted.
+    secure_seed: Optional[int] = None
 
 
 @dataclass

@@ -99,6 +99,12 @@ def train_shard(dataset_size: int, rank: int, world_size: int, mode: str, per_de
     return shard
 
 
+def stream_seed(secret: int, seed: int) -> int:
+    """Mix the run's secret into a user-visible seed: batches and noise stay unpredictable to whoever knows the seed."""
+    state = np.random.SeedSequence([secret, seed]).generate_state(2, dtype=np.uint32)
+    return int(state[0]) << 32 | int(state[1])
+
+
 def step_generator(seed: int, rank: int, step: int, stream: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
     """An independent, reproducible RNG stream for one (seed, rank, step); `stream` separates uses (sampling, noise)."""
     state = np.random.SeedSequence([seed, rank, step, stream]).generate_state(2, dtype=np.uint32)

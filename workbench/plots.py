@@ -11,14 +11,62 @@ import matplotlib.pyplot as plt  # noqa: E402
 def training_curves(history):
     """Epsilon (left axis) and training loss (right axis) against the logical step."""
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
-    if any(e == e for e in history.epsilon):  # any non-NaN: a private run
-        ax.plot(history.steps, history.epsilon, color="tab:blue", label="epsilon")
+    known = [(s, e) for s, e in zip(history.steps, history.epsilon) if e == e]  # NaN: a line logged without epsilon
+    if known:  # a private run
+        ax.plot(*zip(*known), color="tab:blue", marker=".", label="epsilon")
         ax.set_ylabel("epsilon", color="tab:blue")
     ax.set_xlabel("step")
     twin = ax.twinx()
     twin.plot(history.steps, history.loss, color="tab:orange", label="loss")
     twin.set_ylabel("training loss", color="tab:orange")
     ax.set_title("privacy spent and training loss")
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def _labelled(text: str, runs, column: str, name: str) -> str:
+    """`text (name=value)` when every run in `runs` has the same value in `column`."""
+    if column in runs and runs[column].nunique(dropna=False) == 1:
+        return f"{text} ({name}={runs[column].iloc[0]})"
+    return text
+
+
+def frontier(runs, metric: str = "eval_accuracy", title: str | None = None):
+    """The privacy-utility frontier: `metric` against the final epsilon of each private run (a table such as
+    :func:`workbench.explore.runs_frame` returns: columns `epsilon`, `metric`, optionally `delta` and `params.*`).
+    Non-private runs (no epsilon) are drawn as horizontal lines: the utility that privacy is paid in."""
+    if metric not in runs:
+        raise ValueError(f"no column {metric!r} in the runs table (columns: {', '.join(map(str, runs.columns))})")
+    runs = runs[runs[metric].notna()]
+    eps = runs["epsilon"] if "epsilon" in runs else runs[metric] * float("nan")
+    private, baselines = runs[eps.notna()].sort_values("epsilon"), runs[eps.isna()]
+    fig, ax = plt.subplots(figsize=(6.4, 4), dpi=110)
+    if len(private):
+        label = _labelled("DP-SGD", private, "params.learning_rate", "lr")
+        ax.plot(private["epsilon"], private[metric], marker="o", color="tab:blue", label=label)
+        for x, y in zip(private["epsilon"], private[metric]):
+            ax.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(0, -9), ha="center", va="top",
+                        fontsize=8)  # below: a baseline line usually runs above the points
+        ax.set_xscale("log")
+        ticks = sorted(set(round(float(e), 2) for e in private["epsilon"]))
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.minorticks_off()
+    for i, (_, row) in enumerate(baselines.iterrows()):
+        label = _labelled("non-private baseline", baselines.loc[[row.name]], "params.learning_rate", "lr")
+        ax.axhline(row[metric], color="tab:gray", linestyle="--" if i == 0 else ":", label=f"{label}: {row[metric]:.3f}")
+    delta = private["delta"].dropna().unique() if "delta" in private else []
+    ax.set_xlabel("epsilon" + (f" (delta = {delta[0]:.1e})" if len(delta) == 1 else ""))
+    ax.set_ylabel(metric)
+    if title is None:
+        title = f"privacy-utility frontier: {metric} vs epsilon"
+        what = [str(runs[c].iloc[0]).rsplit(".", 1)[-1] for c in ("params.data.train._target_", "params.model._target_")
+                if c in runs and runs[c].nunique() == 1]
+        title += f"\n{' + '.join(what)}" if what else ""
+    ax.set_title(title, fontsize=11)
+    ax.margins(y=0.15)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     plt.close(fig)
     return fig

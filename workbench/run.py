@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,7 +141,7 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
 
     step_fn = GradientStep(model, criterion, d, max_grad_norm=p.max_grad_norm if p.enabled else None,
                            noise_multiplier=sigma, grad_sample_mode=p.grad_sample_mode,
-                           max_physical_batch_size=cfg.max_physical_batch_size, noise_seed=cfg.seed)
+                           max_physical_batch_size=cfg.max_physical_batch_size)
     optimizer = _instantiate(cfg.optimizer, "optimizer")(step_fn.params, lr=cfg.learning_rate,
                                                          weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_scheduler_type, cfg.warmup_steps, total_steps))
@@ -147,6 +149,8 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
 
     digest = config.privacy_digest(cfg, d.world_size)
     start_step, resume_run_id = 0, None
+    # Rank 0's secret for everyone: the sampling and noise streams must be unknowable from the logged config.
+    secret = d.broadcast_object(p.secure_seed if p.secure_seed is not None else secrets.randbits(63))
     if cfg.resume_from_checkpoint:
         path = checkpoint.resolve(cfg.resume_from_checkpoint, cfg.output_dir)
         if path is not None:
@@ -160,15 +164,20 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
             if accountant is not None:
                 accountant.load_state_dict(state["accountant"])
             start_step, resume_run_id = int(state["step"]), state.get("run_id")
+            if state.get("secret") is None:
+                raise WorkbenchError(f"checkpoint {str(path)!r} has no stream secret (a published copy?); "
+                                     "resume from the run folder's own checkpoint")
+            secret = state["secret"]
             log.info("resuming from %s at step %d", path, start_step)
 
-    seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
-    sampler = data.PoissonBatchSampler(shard, total_steps, seed, d.rank, start_step)
+    step_fn.noise_seed = data.stream_seed(secret, cfg.seed)  # known only now: a resumed run takes the checkpoint's
+    sampler = data.PoissonBatchSampler(shard, total_steps, data.stream_seed(secret, cfg.data_seed if cfg.data_seed is not None
+                                                                            else cfg.seed), d.rank, start_step)
     eval_loader = None
     if eval_set is not None:
         eval_loader = data.eval_loader(eval_set, data.eval_shard(len(eval_set), d.rank, d.world_size), cfg, d.device)
     return dict(model=model, criterion=criterion, shard=shard, step_fn=step_fn, optimizer=optimizer,
-                scheduler=scheduler, accountant=accountant, delta=delta, sigma=sigma, total_steps=total_steps,
+                scheduler=scheduler, accountant=accountant, secret=secret, delta=delta, sigma=sigma, total_steps=total_steps,
                 expected_batch=expected_batch, start_step=start_step, resume_run_id=resume_run_id, digest=digest,
                 loader=data.train_loader(train_set, sampler, cfg, d.device), eval_loader=eval_loader,
                 metrics_fn=metrics_fn)
@@ -178,14 +187,17 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
     model, accountant, delta = job["model"], job["accountant"], job["delta"]
     last_saved: list[Path | None] = [None]
 
+    def state(step: int) -> dict:
+        return {"model": model.state_dict(), "optimizer": job["optimizer"].state_dict(),
+                "scheduler": job["scheduler"].state_dict(), "step": step, "run_id": run_id,
+                "privacy_digest": job["digest"], "world_size": d.world_size, "secret": job["secret"],
+                "accountant": accountant.state_dict() if accountant is not None else None}
+
     def save(step: int) -> None:
-        state = {"model": model.state_dict(), "optimizer": job["optimizer"].state_dict(),
-                 "scheduler": job["scheduler"].state_dict(), "step": step, "run_id": run_id,
-                 "privacy_digest": job["digest"], "world_size": d.world_size,
-                 "accountant": accountant.state_dict() if accountant is not None else None}
+        snapshot = state(step)
         with d.collective_phase(f"checkpoint save at step {step}"):
             if d.should_save:
-                last_saved[0] = checkpoint.save(state, output_dir, step, cfg.save_total_limit)
+                last_saved[0] = checkpoint.save(snapshot, output_dir, step, cfg.save_total_limit)
 
     evaluator = None
     if job["eval_loader"] is not None:
@@ -208,7 +220,10 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
     save(steps)
     if d.is_main:
         if cfg.tracking.log_checkpoints and last_saved[0] is not None:
-            tracker.log_artifact(last_saved[0], "checkpoints")
+            with tempfile.TemporaryDirectory() as tmp:  # the published copy leaves out the stream secret
+                published = Path(tmp) / last_saved[0].name
+                torch.save({k: v for k, v in state(steps).items() if k != "secret"}, published)
+                tracker.log_artifact(published, "checkpoints")
         if trainer.history.steps:
             from workbench.plots import training_curves
 

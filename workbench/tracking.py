@@ -55,6 +55,14 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def redacted(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as MLflow may show it: a set privacy.secure_seed would let readers undo the privacy."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    if container.get("privacy", {}).get("secure_seed") is not None:
+        container["privacy"]["secure_seed"] = "<redacted>"
+    return container
+
+
 def _retry(fn, attempts: int = 8):
     """Concurrent sweep points on one SQLite file can briefly see 'database is locked': retry with backoff."""
     for i in range(attempts):
@@ -161,13 +169,13 @@ class MlflowTracker(NullTracker):
             self.logged_until[key] = max((m.step for m in history), default=-1)
         if _retry(lambda: self.client.get_run(run_id)).data.params:
             return
-        container = OmegaConf.to_container(self.cfg, resolve=True)
+        container = redacted(self.cfg)
         params = [self.mlflow.entities.Param(k, str(v)[:6000]) for k, v in flatten(container).items()]
         for i in range(0, len(params), 100):
             _retry(lambda chunk=params[i:i + 100]: self.client.log_batch(self.run_id, params=chunk))
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "config.yaml"
-            path.write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
+            path.write_text(OmegaConf.to_yaml(OmegaConf.create(container)))
             self.log_artifact(path)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:

@@ -200,13 +200,10 @@ class StepLogger:
 
     def _work(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            backlog = [item]
+            backlog = [self._queue.get()]
             while not self._queue.empty():
                 backlog.append(self._queue.get())
-            stop = backlog[-1] is None
+            stop = None in backlog
             backlog = [b for b in backlog if b is not None]
             try:
                 for i, (step, metrics, final) in enumerate(backlog):
@@ -219,9 +216,18 @@ class StepLogger:
                     self.history.epsilon.append(float("nan") if eps is None else eps)
             except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
                 self._error = e
+            finally:
+                for _ in range(len(backlog) + stop):
+                    self._queue.task_done()
+            if stop or self._error is not None:
                 return
-            if stop:
-                return
+
+    def flush(self) -> None:
+        """Wait until every queued line is in the tracker (before a checkpoint: a resumed run then misses none)."""
+        if self._thread.is_alive():
+            self._queue.join()
+        if self._error is not None:
+            raise RuntimeError("step logging failed") from self._error
 
     def close(self) -> History:
         self._queue.put(None)
@@ -246,7 +252,7 @@ class Trainer:
 
     def fit(self) -> int:
         """Train from start_step to total_steps; returns the number of steps taken in all."""
-        from tqdm.auto import tqdm
+        from tqdm import tqdm
 
         cfg, step = self.cfg, self.start_step
         bar = tqdm(total=self.total_steps, initial=step, desc="train", dynamic_ncols=True,
@@ -281,6 +287,7 @@ class Trainer:
                     self.tracker.log_metrics(self.evaluator(), step)
                     self.model.train()
                 if cfg.save_steps and step % cfg.save_steps == 0 and step < self.total_steps:
+                    logger.flush()
                     self.save_fn(step)
         finally:
             self.history = logger.close()
