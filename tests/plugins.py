@@ -32,3 +32,11 @@ class SlowSynthetic(Synthetic):
 def broken_metrics(pred):
     """A compute_metrics that fails at eval time, after the run has started."""
     raise ValueError("metric exploded")
+
+
+def batchnorm_mlp(in_features=64, hidden=(128,), num_classes=10):
+    """A model DP-SGD must refuse: BatchNorm mixes the examples of a batch."""
+    from torch import nn
+
+    return nn.Sequential(nn.Linear(in_features, hidden[0]), nn.BatchNorm1d(hidden[0]), nn.ReLU(),
+                         nn.Linear(hidden[0], num_classes))

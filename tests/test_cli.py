@@ -50,25 +50,14 @@ def test_default_job_end_to_end(tmp_path):
     assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")] == [f"checkpoints/checkpoint-{int(m['steps'])}.pt"]
 
 
+# Through the real CLI: exit code, one line on stderr, no traceback, no run left behind.
 @pytest.mark.parametrize("args, message", [
     (["no_such_key=1"], "no_such_key"),
     (["model=no_such_model"], "no_such_model"),
     (["backend=nccl"], "ddp_backend=nccl"),
-    (["backend=mpi"], "ddp_backend=mpi"),
-    (["backend=xccl"], "ddp_backend=xccl"),
-    (["backend=hccl"], "torch_npu"),
-    (["ddp_backend=smoke"], "ddp_backend='smoke' is unknown"),
     (["split_batches=true"], "conflicts with Poisson sampling"),
-    (["even_batches=false"], "conflicts with Poisson sampling"),
-    (["privacy.max_grad_norm=0"], "privacy.max_grad_norm must be > 0"),
-    (["privacy.target_epsilon=-1"], "privacy.target_epsilon must be > 0"),
-    (["privacy.target_delta=1.5"], "target_delta must be in (0, 1)"),
     (["privacy.target_epsilon=1e-6"], "unreachable"),
-    (["per_device_train_batch_size=5000"], "larger than the training set"),
     (["output_dir=/proc/forbidden"], "not writable"),
-    (["data.train.size=0", "data=synthetic"], "empty"),
-    (["model._target_=builtins.dict"], "not a torch.nn.Module"),
-    (["model._target_=torch.nn.Sequential"], "could not build model"),
 ])
 def test_bad_input_fails_fast_with_one_line_and_no_run(tmp_path, args, message):
     proc = run_cli(*args, cwd=tmp_path, timeout=120)
@@ -78,3 +67,45 @@ def test_bad_input_fails_fast_with_one_line_and_no_run(tmp_path, args, message):
     if (tmp_path / "mlflow.db").exists():  # no run was started, so none is left RUNNING
         client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
         assert all(not client.search_runs([e.experiment_id]) for e in client.search_experiments())
+
+
+# The same refusals in-process (the CLI prints exactly this message): the rest of the list.
+@pytest.mark.parametrize("args, message", [
+    (["backend=mpi"], "ddp_backend=mpi needs a torch built with MPI"),
+    (["backend=xccl"], "ddp_backend=xccl needs Intel XPU"),
+    (["backend=hccl"], "'torch_npu' is not installed"),
+    (["backend=cncl"], "'torch_mlu' is not installed"),
+    (["backend=mccl"], "'torch_musa' is not installed"),
+    (["ddp_backend=smoke"], "ddp_backend='smoke' is unknown"),
+    (["even_batches=false"], "even_batches is refused: it conflicts with Poisson sampling"),
+    (["dispatch_batches=true"], "dispatch_batches is refused"),
+    (["use_seedable_sampler=true"], "use_seedable_sampler is refused"),
+    (["privacy.max_grad_norm=0"], "privacy.max_grad_norm must be > 0"),
+    (["privacy.target_epsilon=-1"], "privacy.target_epsilon must be > 0"),
+    (["privacy.target_delta=1.5"], "target_delta must be in (0, 1)"),
+    (["privacy.noise_multiplier=0"], "gives no privacy"),
+    (["privacy.accountant=moments"], "privacy.accountant='moments' is unknown"),
+    (["per_device_train_batch_size=5000"], "larger than the training set"),
+    (["data=synthetic", "data.train.size=0"], "the training dataset is empty"),
+    (["model._target_=builtins.dict"], "not a torch.nn.Module"),
+    (["model._target_=torch.nn.Sequential"], "could not build model"),
+    (["model._target_=tests.plugins.batchnorm_mlp"], "BatchNorm -> GroupNorm"),
+    (["compute_metrics=os.path.nosuch"], "not an importable function"),
+    (["lr_scheduler_type=exotic"], "lr_scheduler_type='exotic' is unknown"),
+])
+def test_bad_input_is_refused_before_a_run_exists(make_cfg, mlflow_uri, args, message):
+    from workbench.errors import WorkbenchError
+    from workbench.launch import launch
+
+    with pytest.raises(WorkbenchError) as err:
+        launch(make_cfg(*args))
+    assert message in str(err.value) and "\n" not in str(err.value)
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    assert all(not client.search_runs([e.experiment_id]) for e in client.search_experiments())
+
+
+def test_large_delta_warns(make_cfg):
+    from workbench import train
+
+    with pytest.warns(UserWarning, match="1/N"):
+        train(make_cfg("experiment=quick", "privacy.target_delta=0.01"))
