@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 def _in_tmp_dir(tmp_path, monkeypatch):
     """Every test runs in its own folder: MLflow's ./mlruns, Hydra's outputs/ never land in the repository."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # each test names its store; none leaks into the next
 
 
 @pytest.fixture

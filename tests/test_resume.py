@@ -40,10 +40,11 @@ def test_killed_run_resumes_to_the_same_parameters_and_epsilon(tmp_path):
     run_a, run_b = runs[str(tmp_path / "whole")], runs[str(tmp_path / "crashed")]
     assert run_b.info.status == "FINISHED" and run_b.info.run_id == b["run_id"]
     assert run_a.data.metrics["epsilon"] == run_b.data.metrics["epsilon"]
-    for key in ("loss", "epsilon"):
-        steps_a = [m.step for m in client.get_metric_history(run_a.info.run_id, key)]
-        steps_b = [m.step for m in client.get_metric_history(run_b.info.run_id, key)]
-        assert sorted(steps_b) == sorted(steps_a) == sorted(set(steps_b))  # no step logged twice
+    steps_a = [m.step for m in client.get_metric_history(run_a.info.run_id, "loss")]
+    steps_b = [m.step for m in client.get_metric_history(run_b.info.run_id, "loss")]
+    assert sorted(steps_b) == sorted(steps_a) == sorted(set(steps_b)) == [5, 10, 15, 20]  # no step logged twice
+    eps_b = [m.step for m in client.get_metric_history(run_b.info.run_id, "epsilon")]
+    assert sorted(eps_b) == sorted(set(eps_b)) and 20 in eps_b
 
 
 def test_resume_refusals(tmp_path):

@@ -147,7 +147,6 @@ class MlflowTracker(NullTracker):
         The resolved config goes in as params and as an artifact, once. Inside a multirun sweep the run is a child of
         the sweep's parent run. `pending`: created by a launcher before its job starts (status SCHEDULED).
         """
-        self.mlflow.set_tracking_uri(self.uri)
         experiment_id = self._experiment_id()
         all_tags = {k: str(v) for k, v in tags.items() if v is not None}
         if run_id is None:
