@@ -1,0 +1,130 @@
+"""Figure 5: MLflow tracking overhead on the training loop, on the default config (digits, MLP, logging_steps=10).
+
+``workbench.train(compose([...]))`` runs in this process with ``tracking.enabled=true`` (a fresh SQLite store in a
+temporary folder) and ``tracking.enabled=false``, alternated, after one untimed warm-up run of each (which also
+creates the store's tables). The figure is the wall time of ``Trainer.fit`` -- the training loop, including
+whatever its step logging costs it (``log_metrics`` and epsilon, on the training thread or on a logging thread that
+fit joins before it returns) -- per step; it is read by wrapping ``Trainer.fit`` at run time (workbench's code is not edited), and the on/off ratio is
+the median over pairs of neighbouring runs. For diagnosis, the time spent inside ``MlflowTracker.log_metrics`` and
+``Accountant.epsilon`` while fit runs (on any thread) is summed the same way. Start-up, the final eval, checkpoint
+and artifact upload are outside the loop and outside the figure. ``disable_tqdm=true`` on both sides.
+The ``samples_per_second`` metric is not used: its window restarts after each log call, so it cannot see their cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import Settings, median, set_threads, target
+
+
+class _LoopTimers:
+    """Wraps (at run time) Trainer.fit, and, while fit runs, MlflowTracker.log_metrics and Accountant.epsilon."""
+
+    def __init__(self):
+        from workbench import privacy, tracking, trainer
+
+        self.targets = [(trainer.Trainer, "fit"), (tracking.MlflowTracker, "log_metrics"),
+                        (privacy.Accountant, "epsilon")]
+        self.originals = {(cls, name): getattr(cls, name) for cls, name in self.targets}
+        self.inside_fit = False
+        self.sums = {"log_metrics": 0.0, "epsilon": 0.0, "log_metrics_calls": 0, "epsilon_calls": 0}
+        self.record: list[dict] = []
+
+    def __enter__(self):
+        timers = self
+        fit, log_metrics, epsilon = (self.originals[t] for t in self.targets)
+
+        def timed_fit(trainer):
+            timers.sums = {"log_metrics": 0.0, "epsilon": 0.0, "log_metrics_calls": 0, "epsilon_calls": 0}
+            timers.inside_fit = True
+            t = time.perf_counter()
+            try:
+                steps = fit(trainer)
+            finally:
+                timers.inside_fit = False
+            timers.record.append({"fit": time.perf_counter() - t, "steps": steps - trainer.start_step, **timers.sums})
+            return steps
+
+        def wrap(name, original):
+            def wrapper(obj, *a, **k):
+                if not timers.inside_fit:
+                    return original(obj, *a, **k)
+                t = time.perf_counter()
+                try:
+                    return original(obj, *a, **k)
+                finally:
+                    timers.sums[name] += time.perf_counter() - t
+                    timers.sums[f"{name}_calls"] += 1
+            return wrapper
+
+        self.targets[0][0].fit = timed_fit
+        self.targets[1][0].log_metrics = wrap("log_metrics", log_metrics)
+        self.targets[2][0].epsilon = wrap("epsilon", epsilon)
+        return self
+
+    def __exit__(self, *exc):
+        for (cls, name), original in self.originals.items():
+            setattr(cls, name, original)
+
+
+def tracking_overhead(s: Settings, log=print) -> dict:
+    from workbench import compose, train
+
+    set_threads()
+    runs: dict[str, list[dict]] = {"on": [], "off": []}
+    with _LoopTimers() as timers, tempfile.TemporaryDirectory(prefix="bench-tracking-") as tmp:
+        uri = f"sqlite:///{Path(tmp) / 'mlflow.db'}"
+        i = 0
+        for pair in range(s.tracking_pairs + 1):  # pair 0 is the warm-up
+            for setting in (("on", "off") if pair % 2 == 0 else ("off", "on")):
+                cfg = compose([f"output_dir={Path(tmp) / f'run{i}'}", f"tracking.uri={uri}", "disable_tqdm=true",
+                               f"tracking.enabled={'true' if setting == 'on' else 'false'}",
+                               "tracking.experiment_name=bench-tracking"])
+                i += 1
+                with contextlib.redirect_stdout(io.StringIO()):
+                    train(cfg)
+                if pair > 0:
+                    runs[setting].append(timers.record[-1])
+        logging_steps, mode = cfg.logging_steps, cfg.privacy.grad_sample_mode
+    steps = runs["on"][0]["steps"]
+    logs = -(-steps // logging_steps)  # every logging_steps, and the last step
+    per_step = {k: [r["fit"] / r["steps"] for r in v] for k, v in runs.items()}
+    on, off = median(per_step["on"]), median(per_step["off"])
+    pair_ratios = [a / b for a, b in zip(per_step["on"], per_step["off"])]  # run i of each setting: neighbours
+    ab = median(pair_ratios)
+
+    def per_call_ms(name, which):
+        calls = sum(r[f"{name}_calls"] for r in which)
+        return sum(r[name] for r in which) / max(calls, 1) * 1e3
+
+    log_ms = per_call_ms("log_metrics", runs["on"])
+    eps_ms = per_call_ms("epsilon", runs["on"] + runs["off"])
+    log_share = median([r["log_metrics"] / r["fit"] for r in runs["on"]])
+    eps_share = median([r["epsilon"] / r["fit"] for r in runs["on"] + runs["off"]])
+    log(f"  loop step time: tracking on {on * 1e3:.2f} ms, off {off * 1e3:.2f} ms; on/off {ab - 1:+.1%} (median of "
+        f"{len(pair_ratios)} pairs, {min(pair_ratios) - 1:+.1%} .. {max(pair_ratios) - 1:+.1%}); log_metrics "
+        f"{log_ms:.1f} ms per call ({log_share:.1%} of the loop's wall time), epsilon {eps_ms:.0f} ms per call "
+        f"({eps_share:.0%})")
+    return {
+        "what": __doc__.split("\n\n", 1)[1].strip(),
+        "config": f"default (python -m workbench): digits, MLP 64-128-10, batch 256, DP grad_sample_mode={mode}, "
+                  f"logging_steps={logging_steps}",
+        "steps": steps, "log_lines": logs, "pairs": s.tracking_pairs,
+        "step_ms_tracking_on": on * 1e3, "step_ms_tracking_off": off * 1e3,
+        "runs_step_ms_on": [r * 1e3 for r in per_step["on"]], "runs_step_ms_off": [r * 1e3 for r in per_step["off"]],
+        "ab_on_vs_off": ab, "ab_pair_ratios": pair_ratios,
+        "log_metrics_ms_per_call": log_ms, "log_metrics_calls_per_run": runs["on"][0]["log_metrics_calls"],
+        "log_metrics_busy_share_of_loop": log_share,
+        "epsilon_ms_per_call": eps_ms, "epsilon_calls_per_run": runs["on"][0]["epsilon_calls"],
+        "epsilon_busy_share_of_loop": eps_share,
+        "targets": [target("tracking overhead: loop time, tracking on / off - 1", ab - 1, 0.03, False, "%")],
+        "info": [{"what": "time inside MLflow log_metrics / loop wall time (any thread)", "value": log_share,
+                  "unit": "%"},
+                 {"what": "time inside Accountant.epsilon / loop wall time (any thread; on and off alike)",
+                  "value": eps_share, "unit": "%"}],
+    }
