@@ -217,3 +217,16 @@ def test_torchrun_end_to_end(tmp_path, shard):
         assert "drops 1 of 1437 training examples" in proc.stderr
     outputs = list((tmp_path / "outputs").glob("*/*"))
     assert len(outputs) == 1  # one run folder for the job, not one per rank
+
+
+def _rank_one_dies():
+    if os.environ["RANK"] == "1":
+        os._exit(3)
+    time.sleep(120)  # rank 0 would wait for rank 1 forever in a collective
+
+
+def test_a_rank_dying_before_it_reports_fails_the_launch_fast():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 failed: exited with code 3"):
+        launch_distributed(_rank_one_dies, 2)
+    assert time.monotonic() - start < 60

@@ -91,3 +91,16 @@ def test_models_dp_cannot_handle_are_refused_with_a_fix():
     check_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), private=False)
     with pytest.raises(WorkbenchError, match="launcher=local"):
         check_model(nn.DataParallel(nn.Linear(4, 4)), private=False)
+
+
+def test_auto_grad_sample_mode_picks_the_fastest_that_fits():
+    from workbench.models import MLP, SmallCNN
+    from workbench.trainer import fastest_grad_sample_mode
+
+    assert fastest_grad_sample_mode(MLP()) == "ghost"
+    assert fastest_grad_sample_mode(SmallCNN()) == "ew"
+    assert fastest_grad_sample_mode(nn.Sequential(nn.Linear(4, 4), nn.GRU(4, 4))) == "hooks"
+    d = setup("gloo")
+    step = GradientStep(MLP(), nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=1.0, noise_multiplier=0.0,
+                        grad_sample_mode="auto")
+    assert step.mode == "ghost"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any, Callable, Sequence
 
 from omegaconf import DictConfig
@@ -73,11 +74,19 @@ def launch_distributed(fn: Callable[..., Any], nprocs: int = 2, *args, timeout: 
     out: dict[int, Any] = {}
     errors: dict[int, str] = {}
     try:
+        deadline = time.monotonic() + timeout
         while len(out) + len(errors) < nprocs:
             try:
-                rank, status, value = results.get(timeout=timeout)
+                rank, status, value = results.get(timeout=1.0)
             except queue.Empty:
-                raise TimeoutError(f"launch_distributed: no result from some rank within {timeout} s") from None
+                # A rank that died before reporting (killed, or crashed at start-up) fails the launch at once.
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in out and r not in errors]
+                if dead:
+                    errors[dead[0]] = f"exited with code {procs[dead[0]].exitcode} before returning a result"
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"launch_distributed: no result from some rank within {timeout} s") from None
+                continue
             if status == "ok":
                 out[rank] = cloudpickle.loads(value)
             else:

@@ -22,7 +22,7 @@ from workbench.errors import WorkbenchError
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
-GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost")
+GRAD_SAMPLE_MODES = ("auto", "hooks", "functorch", "ew", "ghost")
 SHARD_MODES = ("per_rank", "global")
 
 # Accelerate knobs that change how batches are formed. Poisson sampling decides every batch itself, so each would
@@ -45,7 +45,7 @@ class PrivacyConfig:
     target_delta: Optional[float] = None  # None: a value below 1/N (see workbench.privacy.default_delta)
     noise_multiplier: Optional[float] = None  # None: calibrated so that target_epsilon is met after all steps
     max_grad_norm: float = 1.0
-    grad_sample_mode: str = "hooks"
+    grad_sample_mode: str = "auto"  # auto: the fastest mode that supports the model (workbench.trainer)
     # The secret that the Poisson-sampling and noise streams derive from (with seed / data_seed, rank and step).
     # null: a fresh random secret per run, kept in its checkpoints (so a resumed run replays exactly) and never logged.
     # Set it only to reproduce a run bit for bit: whoever knows it can strip the noise and see the batches, so the

@@ -45,6 +45,22 @@ def check_model(model: nn.Module, private: bool) -> None:
         raise WorkbenchError(f"the model has {len(errors)} layer(s) DP-SGD cannot handle: {first}{hint}")
 
 
+# Layers torch's expanded weights (grad_sample_mode=ew) computes per-sample gradients for.
+_EW_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.GroupNorm, nn.LayerNorm,
+              nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+
+
+def fastest_grad_sample_mode(model: nn.Module) -> str:
+    """What grad_sample_mode=auto picks, by benchmarks/RESULTS.md: ghost clipping for all-Linear models (never
+    materialises per-sample gradients), expanded weights where it covers every layer, else Opacus' hooks."""
+    layers = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    if layers and all(isinstance(m, nn.Linear) for m in layers):
+        return "ghost"
+    if layers and all(isinstance(m, _EW_LAYERS) for m in layers):
+        return "ew"
+    return "hooks"
+
+
 class GradientStep:
     """Steps 1-3 of the contract: the noised, all-reduced sum of clipped per-sample gradients for one logical step.
 
@@ -72,6 +88,8 @@ class GradientStep:
         self.numel = numel
 
     def _wrap(self, model: nn.Module) -> nn.Module:
+        if self.mode == "auto":
+            self.mode = fastest_grad_sample_mode(model)
         from opacus.grad_sample import GradSampleModule, GradSampleModuleExpandedWeights
         from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
 
@@ -95,15 +113,17 @@ class GradientStep:
         if self.mode == "ghost":
             return self._accumulate_ghost(losses)
         losses.sum().backward()
-        grad_samples = [p.grad_sample for p in self.params]
+        # None: a parameter unused in this forward; its clipped gradient is zero.
+        flat_samples = [(view, p.grad_sample.reshape(len(y), -1)) for p, view in zip(self.params, self.grad_views)
+                        if p.grad_sample is not None]
         norms = torch.zeros(len(y), device=y.device)
-        for gs in grad_samples:
-            if gs is not None:  # None: a parameter unused in this forward; its clipped gradient is zero
-                norms.add_(gs.reshape(len(gs), -1).pow(2).sum(1))
-        factor = (self.clip / (norms.sqrt() + 1e-6)).clamp(max=1.0)
-        for p, gs, view in zip(self.params, grad_samples, self.grad_views):
-            if gs is not None:
-                view.add_(torch.einsum("i,i...->...", factor, gs))
+        if flat_samples:  # vector_norm and addmv_: no full-size temporaries of the per-sample gradients
+            norms = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(gs, dim=1) for _, gs in flat_samples], dim=1), dim=1)
+        factor = (self.clip / (norms + 1e-6)).clamp(max=1.0)
+        for view, gs in flat_samples:
+            view.view(-1).addmv_(gs.t(), factor)
+        for p in self.params:
             p.grad_sample = None
             p.grad = None
         return losses.detach()
