@@ -82,6 +82,7 @@ class NullTracker:
 
     def start(self, *args, **kwargs) -> None: ...
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None: ...
+    def log_many(self, lines) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def log_figure(self, figure, name: str) -> None: ...
     def set_tags(self, tags: Mapping[str, Any]) -> None: ...
@@ -178,13 +179,20 @@ class MlflowTracker(NullTracker):
             self.log_artifact(path)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        # Each logging call has a key that identifies it: training log, final summary or periodic eval.
-        key = next((k for k in self.logged_until if k in metrics), None)
-        if key is not None and step is not None and step <= self.logged_until[key]:
-            return  # logged before the interruption this run resumed from
+        self.log_many([(metrics, step)])
+
+    def log_many(self, lines: list[tuple[Mapping[str, float], int | None]]) -> None:
+        """Log several lines (metrics, step) in as few round trips as MLflow allows (1000 metrics a batch)."""
         ts = int(time.time() * 1000)
-        batch = [self.mlflow.entities.Metric(k, float(v), ts, step or 0) for k, v in metrics.items()]
-        _retry(lambda: self.client.log_batch(self.run_id, metrics=batch))
+        batch = []
+        for metrics, step in lines:
+            # Each line has a key that identifies it: training log, final summary or periodic eval.
+            key = next((k for k in self.logged_until if k in metrics), None)
+            if key is not None and step is not None and step <= self.logged_until[key]:
+                continue  # logged before the interruption this run resumed from
+            batch += [self.mlflow.entities.Metric(k, float(v), ts, step or 0) for k, v in metrics.items()]
+        for i in range(0, len(batch), 1000):
+            _retry(lambda chunk=batch[i:i + 1000]: self.client.log_batch(self.run_id, metrics=chunk))
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), artifact_path)
