@@ -359,10 +359,10 @@ class Evaluator:
         self.model.eval()
         totals = torch.zeros(2, device=self.dist.device)  # loss sum, example count
         predictions, labels, metrics = [], [], {}
-        batches = list(self.loader)
-        n_batches = max(self.dist.all_gather_object(len(batches))) if self.batched else len(batches)
+        batches = iter(self.loader)  # streamed: the eval set is never held twice
+        n_batches = max(self.dist.all_gather_object(len(self.loader))) if self.batched else len(self.loader)
         for i in range(n_batches):
-            batch = batches[i] if i < len(batches) else None
+            batch = next(batches, None)
             if batch is not None:
                 x, y = batch[0].to(self.dist.device), batch[1].to(self.dist.device)
                 out = self.model(x)
