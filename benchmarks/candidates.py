@@ -112,8 +112,7 @@ def candidate_step(model, mode: str, cls=None):
 
     def step(x, y, s):
         gs((x, y), s)
-        for p in gs.params:
-            p.grad.div_(float(BATCH))
+        gs.divide_(float(BATCH))
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -97,8 +97,7 @@ def workbench_step(model: nn.Module, mode: str | None, dist=None) -> Callable[[t
 
     def step(x, y, s):
         gs((x, y), s)
-        for p in gs.params:
-            p.grad.div_(expected)
+        gs.divide_(expected)
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -33,7 +33,7 @@ def _reference_clipped_sum(model, x, y, clip):
     return total
 
 
-@pytest.mark.parametrize("mode", ["hooks", "functorch", "ghost", "ew"])
+@pytest.mark.parametrize("mode", ["bk", "hooks", "functorch", "ghost", "ew"])
 @pytest.mark.parametrize("physical", [4, 64])
 def test_clipped_sum_matches_per_example_loop(mode, physical):
     d = setup("gloo")
@@ -97,10 +97,59 @@ def test_auto_grad_sample_mode_picks_the_fastest_that_fits():
     from workbench.models import MLP, SmallCNN
     from workbench.trainer import fastest_grad_sample_mode
 
-    assert fastest_grad_sample_mode(MLP()) == "ghost"
+    assert fastest_grad_sample_mode(MLP()) == "bk"
     assert fastest_grad_sample_mode(SmallCNN()) == "ew"
     assert fastest_grad_sample_mode(nn.Sequential(nn.Linear(4, 4), nn.GRU(4, 4))) == "hooks"
     d = setup("gloo")
     step = GradientStep(MLP(), nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=1.0, noise_multiplier=0.0,
                         grad_sample_mode="auto")
-    assert step.mode == "ghost"
+    assert step.mode == "bk"
+    tied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    tied[1].weight = tied[0].weight
+    assert fastest_grad_sample_mode(tied) == "ew"  # expanded weights sums a tied weight's uses per sample
+
+
+class _SequenceModel(nn.Module):
+    """Linear layers on (B, T, features) inputs, one of them called twice, one bias frozen: the cases book-keeping
+    handles beyond a plain MLP. ``wide`` makes the first layer take the Gram-matrix (ghost norm) branch."""
+
+    def __init__(self, t, wide):
+        super().__init__()
+        torch.manual_seed(0)
+        self.t, d = t, 40 if wide else 5
+        self.a, self.b, self.head = nn.Linear(6, d), nn.Linear(d, d), nn.Linear(d, 3)
+        self.b.bias.requires_grad_(False)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x.view(len(x), self.t, -1)))
+        h = torch.tanh(self.b(torch.tanh(self.b(h))))
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("t,wide", [(1, False), (3, False), (3, True)])
+def test_book_keeping_clips_sequences_and_reused_layers_exactly(t, wide):
+    x, y = torch.randn(13, 6 * t, generator=torch.Generator().manual_seed(2)) * 3, torch.randint(0, 3, (13,))
+    model = _SequenceModel(t, wide)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    expected = [torch.zeros_like(p) for p in trainable]
+    for i in range(len(y)):  # the definition, as in _reference_clipped_sum, over the trainable parameters only
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in trainable))
+        for e, p in zip(expected, trainable):
+            e += min(1.0, 0.5 / (float(norm) + 1e-6)) * p.grad
+    step = GradientStep(_SequenceModel(t, wide), nn.CrossEntropyLoss(reduction="none"), setup("gloo"),
+                        max_grad_norm=0.5, noise_multiplier=0.0, grad_sample_mode="bk")
+    step((x, y), step=0)
+    for p, e in zip(step.params, expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-5)
+
+
+def test_book_keeping_refuses_what_it_cannot_clip():
+    d = setup("gloo")
+    tied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    tied[1].weight = tied[0].weight
+    for model, match in ((nn.Sequential(nn.Conv1d(1, 1, 3)), "not Conv1d"), (tied, "tied weights")):
+        with pytest.raises(WorkbenchError, match=match):
+            GradientStep(model, nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=1.0, noise_multiplier=0.0,
+                         grad_sample_mode="bk")

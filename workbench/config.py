@@ -22,7 +22,7 @@ from workbench.errors import WorkbenchError
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
-GRAD_SAMPLE_MODES = ("auto", "hooks", "functorch", "ew", "ghost")
+GRAD_SAMPLE_MODES = ("auto", "bk", "hooks", "functorch", "ew", "ghost")
 SHARD_MODES = ("per_rank", "global")
 
 # Accelerate knobs that change how batches are formed. Poisson sampling decides every batch itself, so each would

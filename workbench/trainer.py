@@ -50,12 +50,32 @@ _EW_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.Group
               nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
 
+def _trainable_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+
+
+def _as_sequence(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t.reshape(n, -1, t.shape[-1])
+
+
+def _bk_refusal(layers: list[nn.Module]) -> str | None:
+    """Why book-keeping cannot clip these layers (None: it can). It sums per layer, so a parameter shared between
+    layers would have its per-sample norm split in two and under-counted."""
+    other = [type(m).__name__ for m in layers if not isinstance(m, nn.Linear)]
+    if other:
+        return f"handles models whose trainable layers are all nn.Linear, not {other[0]}"
+    params = [p for m in layers for p in m.parameters(recurse=False)]
+    if len({id(p) for p in params}) < len(params):
+        return "cannot clip a parameter shared between layers (tied weights)"
+    return None
+
+
 def fastest_grad_sample_mode(model: nn.Module) -> str:
-    """What grad_sample_mode=auto picks, by benchmarks/RESULTS.md: ghost clipping for all-Linear models (never
-    materialises per-sample gradients), expanded weights where it covers every layer, else Opacus' hooks."""
-    layers = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
-    if layers and all(isinstance(m, nn.Linear) for m in layers):
-        return "ghost"
+    """What grad_sample_mode=auto picks, by benchmarks/RESULTS.md: book-keeping for all-Linear models (one backward,
+    per-sample gradients never materialised), expanded weights where it covers every layer, else Opacus' hooks."""
+    layers = _trainable_layers(model)
+    if layers and _bk_refusal(layers) is None:
+        return "bk"
     if layers and all(isinstance(m, _EW_LAYERS) for m in layers):
         return "ew"
     return "hooks"
@@ -85,11 +105,19 @@ class GradientStep:
         for p in self.params:
             self.grad_views.append(self.flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
+        self.view_of = {id(p): view for p, view in zip(self.params, self.grad_views)}
         self.numel = numel
+        self.loss_sum, self.count = self.flat[-2], self.flat[-1]  # 0-d views: cheaper to add to than flat[-2]
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         if self.mode == "auto":
             self.mode = fastest_grad_sample_mode(model)
+        if self.mode == "bk":
+            self.bk_layers = _trainable_layers(model)
+            refusal = _bk_refusal(self.bk_layers)
+            if refusal:
+                raise WorkbenchError(f"grad_sample_mode=bk {refusal}: use grad_sample_mode=auto")
+            return model
         from opacus.grad_sample import GradSampleModule, GradSampleModuleExpandedWeights
         from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
 
@@ -102,6 +130,8 @@ class GradientStep:
 
     def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Add the micro-batch's (clipped) gradient sum to the flat buffer; return its per-sample losses."""
+        if self.private and self.mode == "bk":
+            return self._accumulate_bk(x, y)
         losses = self.criterion(self.module(x), y)
         if not self.private:
             losses.sum().backward()
@@ -151,6 +181,60 @@ class GradientStep:
                 p.grad = None
         return losses.detach()
 
+    def _accumulate_bk(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # Book-keeping clipping (Bu et al., 2023) for nn.Linear layers: keep each layer's input a and output z, ask
+        # autograd for dL/dz only (one backward, no weight gradients), then per-sample norms in closed form and the
+        # clipped sums sum_i f_i g_i^T a_i as one matmul per layer. Per-sample gradients exist only where cheaper.
+        records: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
+        handles = [m.register_forward_hook(lambda m, inp, out: records.append((m, inp[0].detach(), out)))
+                   for m in self.bk_layers]
+        try:
+            losses = self.criterion(self.module(x), y)
+        finally:
+            for h in handles:
+                h.remove()
+        n = len(y)
+        grads = torch.autograd.grad(losses.sum(), [z for _, _, z in records], allow_unused=True)
+        # Per layer, (a, g) as (B, features), or (B, T, features) for a sequence or a layer called more than once.
+        layers: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
+        for (m, a, _), g in zip(records, grads):
+            if g is None:  # this output did not reach the loss
+                continue
+            if a.shape[0] != n:
+                raise WorkbenchError(f"grad_sample_mode=bk needs batch-first inputs: {type(m).__name__} got "
+                                     f"{tuple(a.shape)} for a batch of {n}; use grad_sample_mode=hooks")
+            if m in layers:
+                a, g = (torch.cat([_as_sequence(old, n), _as_sequence(new, n)], 1) for old, new in zip(layers[m], (a, g)))
+            elif a.dim() > 2:
+                a, g = _as_sequence(a, n), _as_sequence(g, n)
+            layers[m] = (a, g)
+        norms2 = torch.zeros(n, device=y.device)
+        for m, (a, g) in layers.items():
+            if a.dim() == 2:  # ||g a^T||^2 = ||a||^2 ||g||^2, and the bias gradient is g itself
+                gg = torch.linalg.vecdot(g, g)
+                if m.weight.requires_grad:
+                    norms2.addcmul_(torch.linalg.vecdot(a, a), gg)
+                if m.bias is not None and m.bias.requires_grad:
+                    norms2.add_(gg)
+                continue
+            t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
+            if m.weight.requires_grad:
+                if t * (d_in + d_out) <= d_in * d_out:  # ghost norm: <a a^T, g g^T> without the gradient
+                    norms2.add_((torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2)))
+                else:  # the per-sample gradients are smaller than the Gram matrices
+                    norms2.add_(torch.bmm(g.transpose(1, 2), a).square().sum((1, 2)))
+            if m.bias is not None and m.bias.requires_grad:
+                bias_grad = g.sum(1)
+                norms2.add_(torch.linalg.vecdot(bias_grad, bias_grad))
+        factor = norms2.sqrt_().add_(1e-6).reciprocal_().mul_(self.clip).clamp_(max=1.0)  # min(1, C / ||g_i||)
+        for m, (a, g) in layers.items():
+            scaled = (g * factor.view(-1, *[1] * (g.dim() - 1))).reshape(-1, g.shape[-1])
+            if m.weight.requires_grad:
+                self.view_of[id(m.weight)].addmm_(scaled.t(), a.reshape(-1, a.shape[-1]))
+            if m.bias is not None and m.bias.requires_grad:
+                self.view_of[id(m.bias)].add_(scaled.sum(0))
+        return losses.detach()
+
     def __call__(self, batch: Any, step: int) -> tuple[float, float]:
         """Fill each parameter's .grad with the noised clipped sum; return the cluster-wide (loss sum, example count)."""
         self.flat.zero_()
@@ -159,8 +243,8 @@ class GradientStep:
             for start in range(0, len(y), self.max_physical_batch_size):
                 end = start + self.max_physical_batch_size
                 losses = self._accumulate(x[start:end], y[start:end])
-                self.flat[-2] += losses.sum()
-                self.flat[-1] += len(losses)
+                self.loss_sum.add_(losses.sum())
+                self.count.add_(len(losses))
         if self.private and self.sigma > 0 and self.dist.rank == 0:
             g = step_generator(self.noise_seed, 0, step, stream=1, device=self.flat.device)
             self.flat[:self.numel].add_(torch.randn(self.numel, generator=g, device=self.flat.device),
@@ -168,7 +252,11 @@ class GradientStep:
         self.dist.all_reduce_(self.flat)
         for p, view in zip(self.params, self.grad_views):
             p.grad = view  # a view into the reduced buffer: no copy; the next step re-zeroes the buffer
-        return float(self.flat[-2]), float(self.flat[-1])
+        return float(self.loss_sum), float(self.count)
+
+    def divide_(self, expected_batch: float) -> None:
+        """Step 4's division of every gradient by the expected batch B, in one operation on the reduced buffer."""
+        self.flat[:self.numel].div_(expected_batch)
 
 
 def lr_lambda(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -307,8 +395,7 @@ class Trainer:
         try:
             for batch in self.loader:
                 loss_sum, count = self.step_fn(batch, step)
-                for p in self.step_fn.params:
-                    p.grad.div_(self.expected_batch)
+                self.step_fn.divide_(self.expected_batch)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scheduler.step()
