@@ -12,7 +12,6 @@ with the current code in the same run (interleaved, medians), so the lead can de
   log-MGFs of the one-step PMF in one vectorised ``logsumexp`` and caches them per PMF array: they do not depend on
   the number of steps, yet dp_accounting recomputes them (40 scipy calls) on every ``self_compose``, i.e. for every
   log line's epsilon. Same bounds, same epsilon. Measured per epsilon call and on the default job's training loop.
-- ``book_keeping``: one-backward clipping for all-Linear models (see ``book_keeping_step_class``).
 - ``mallopt``: glibc's malloc hands every freed block above its (dynamic) mmap threshold back to the kernel, so the
   ~10 MB per-sample-gradient tensors of every step are page-faulted in afresh. ``mallopt(M_MMAP_THRESHOLD, 32 MiB)``
   (fixed: no dynamic threshold) + ``mallopt(M_TRIM_THRESHOLD, 1 GiB)`` once at start keeps them in the heap. Process
@@ -54,51 +53,6 @@ def norm_clip_step_class():
             return losses.detach()
 
     return NormClipGradientStep
-
-
-def book_keeping_step_class():
-    """Book-keeping clipping (Bu et al., 2023) for models whose trainable layers are all ``nn.Linear`` on 2-D inputs:
-    one forward that keeps each layer's input a and output z, ONE backward that asks autograd only for dL/dz (no
-    weight gradients, no second pass), per-sample norms from ||a_i||^2 ||g_i||^2 (+ ||g_i||^2 for the bias), and the
-    clipped sums (factor * g)^T a straight into the flat buffer. No Opacus hooks at all."""
-    from torch import nn
-
-    from workbench.trainer import GradientStep
-
-    class BookKeepingGradientStep(GradientStep):
-        def _wrap(self, model):
-            self._records = []
-            self._layers = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
-            if not all(isinstance(m, nn.Linear) for m in self._layers):
-                raise ValueError("book-keeping candidate: only nn.Linear layers are supported")
-            for m in self._layers:
-                m.register_forward_hook(lambda mod, inp, out: self._records.append((mod, inp[0].detach(), out)))
-            return model
-
-        def _accumulate(self, x, y):
-            if not self.private:
-                return super()._accumulate(x, y)
-            self._records.clear()
-            losses = self.criterion(self.module(x), y)
-            records = list(self._records)
-            grads = torch.autograd.grad(losses.sum(), [z for _, _, z in records])
-            norms2 = torch.zeros(len(y))
-            for (mod, a, _), g in zip(records, grads):
-                g2 = g.square().sum(1)
-                norms2.addcmul_(a.square().sum(1), g2)
-                if mod.bias is not None:
-                    norms2.add_(g2)
-            factor = (self.clip / (norms2.sqrt() + 1e-6)).clamp(max=1.0)
-            views = dict(zip(map(id, self.params), self.grad_views))
-            for (mod, a, _), g in zip(records, grads):
-                gf = g * factor[:, None]
-                views[id(mod.weight)].addmm_(gf.t(), a)
-                if mod.bias is not None:
-                    views[id(mod.bias)].add_(gf.sum(0))
-            self._records.clear()
-            return losses.detach()
-
-    return BookKeepingGradientStep
 
 
 def candidate_step(model, mode: str, cls=None):
@@ -227,7 +181,7 @@ def main(argv=None) -> int:
     ds = T.digits()
     x, y = ds.tensors
     batches = T.poisson_batches(len(ds), 64)
-    print("norm_clip, book_keeping: samples/s, median of", s.repeats, "interleaved blocks")
+    print("norm_clip: samples/s, median of", s.repeats, "interleaved blocks")
     for model_name in ("mlp", "cnn"):
         n = s.steps if model_name == "mlp" else max(5, s.steps // 2)
         replays = {"non_private": T.Replay(T.plain_step(T.make_model(model_name)), x, y, batches)}
@@ -236,18 +190,12 @@ def main(argv=None) -> int:
             replays[f"norm_clip_{mode}"] = T.Replay(candidate_step(T.make_model(model_name), mode), x, y, batches)
         replays["opacus_hooks (own loop, replayed batches)"] = _opacus_replay(model_name, x, y, batches)
         replays["current_ghost"] = T.Replay(T.workbench_step(T.make_model(model_name), "ghost"), x, y, batches)
-        if model_name == "mlp":
-            replays["book_keeping"] = T.Replay(candidate_step(T.make_model(model_name), "hooks",
-                                                              book_keeping_step_class()), x, y, batches)
         for r in replays.values():
             r.block(s.warmup_steps)
         rates = interleaved({k: (lambda r=r: timed(lambda: r.block(n))) for k, r in replays.items()}, s.repeats)
         base = median(rates["non_private"])
         for k, v in rates.items():
             print(f"  {model_name:4s} {k:45s} {median(v):10,.0f}  {median(v) / base:.3f}x non-private")
-        if "book_keeping" in rates:
-            print(f"  {model_name:4s} book_keeping / current_ghost: "
-                  f"{median(rates['book_keeping']) / median(rates['current_ghost']):.2f}x")
         for mode in ("hooks", "ew"):
             print(f"  {model_name:4s} norm_clip_{mode} / current_{mode}: "
                   f"{median(rates[f'norm_clip_{mode}']) / median(rates[f'current_{mode}']):.2f}x")

@@ -187,15 +187,18 @@ def _notes(results: dict) -> list[str]:
         base_ms = BATCH / rows["non_private"]["samples_per_s"] * 1e3
         fast_ms = BATCH / rows[f"dp_{fast}"]["samples_per_s"] * 1e3
         twin = rows["gradient_step_twin"]["throughput_vs_non_private"]
+        wide = fig.get("wide_mlp", {}).get("throughput_vs_non_private")
         notes.append(
             f"DP/non-private on the MLP: a non-private step of this 9.6k-parameter model takes {base_ms:.2f} ms, so "
-            f"fixed per-step work weighs heavily. The fastest mode ({fast}, {fast_ms:.2f} ms) runs Opacus' Python "
-            "hooks on every layer"
-            + (" and a second backward pass" if fast == "ghost" else "")
-            + f", plus the noise draw; GradientStep's non-private twin (same buffer and all-reduce path, no clipping) "
-            f"already runs at {twin:.2f}x of the plain loop. The per-sample-gradient modes (hooks, functorch, ew) "
-            f"materialise a {BATCH} x 9,610 gradient tensor every step and are memory-bound. "
-            "`python -m benchmarks.candidates` measures a one-backward book-keeping clipping for Linear layers.")
+            f"fixed per-step work weighs heavily. The fastest mode ({fast}, {fast_ms:.2f} ms)"
+            + (" does the non-private step's matmuls (one backward, weight gradients as one matmul per layer) plus "
+               "the per-sample norms, the clip factors and the draw of 9,610 Gaussians for the noise"
+               if fast == "bk" else " runs Opacus' Python hooks on every layer, plus the noise draw")
+            + f"; GradientStep's non-private twin (same buffer and all-reduce path, no clipping) already runs at "
+            f"{twin:.2f}x of the plain loop. The per-sample-gradient modes (hooks, functorch, ew) materialise a "
+            f"{BATCH} x 9,610 gradient tensor every step and are memory-bound."
+            + (f" On a wider MLP (64-1024-1024-10), where compute dominates, bk runs at {wide:.2f}x of non-private."
+               if wide else ""))
     fig = results.get("vs_opacus")
     if fig and not all(t["met"] for t in fig["targets"]):
         r = fig["models"]["mlp"]

@@ -114,7 +114,7 @@ def _worker(configs: list[tuple[str, str]], steps: int, warmup: int, repeats: in
 def distributed_scaling(s: Settings, fastest: dict[str, str] | None = None, log=print) -> dict:
     from workbench import launch_distributed
 
-    fastest = fastest or {"mlp": "ghost", "cnn": "hooks"}
+    fastest = fastest or {"mlp": "bk", "cnn": "hooks"}
     configs: list[tuple[str, str]] = []
     for model_name in ("mlp", "cnn"):
         for mode in dict.fromkeys(("hooks", fastest.get(model_name, "hooks"))):

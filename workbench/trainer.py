@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from workbench.data import step_generator
 from workbench.distributed import Dist
@@ -185,8 +186,9 @@ class GradientStep:
         # Book-keeping clipping (Bu et al., 2023) for nn.Linear layers: keep each layer's input a and output z, ask
         # autograd for dL/dz only (one backward, no weight gradients), then per-sample norms in closed form and the
         # clipped sums sum_i f_i g_i^T a_i as one matmul per layer. Per-sample gradients exist only where cheaper.
-        records: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
-        handles = [m.register_forward_hook(lambda m, inp, out: records.append((m, inp[0].detach(), out)))
+        # The output is kept as its autograd edge, not the tensor: memory like a non-private step's.
+        records: list[tuple[nn.Module, torch.Tensor, Any]] = []
+        handles = [m.register_forward_hook(lambda m, inp, out: records.append((m, inp[0].detach(), get_gradient_edge(out))))
                    for m in self.bk_layers]
         try:
             losses = self.criterion(self.module(x), y)
@@ -194,7 +196,7 @@ class GradientStep:
             for h in handles:
                 h.remove()
         n = len(y)
-        grads = torch.autograd.grad(losses.sum(), [z for _, _, z in records], allow_unused=True)
+        grads = torch.autograd.grad(losses.sum(), [edge for _, _, edge in records], allow_unused=True)
         # Per layer, (a, g) as (B, features), or (B, T, features) for a sequence or a layer called more than once.
         layers: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
         for (m, a, _), g in zip(records, grads):
@@ -228,7 +230,9 @@ class GradientStep:
                 norms2.add_(torch.linalg.vecdot(bias_grad, bias_grad))
         factor = norms2.sqrt_().add_(1e-6).reciprocal_().mul_(self.clip).clamp_(max=1.0)  # min(1, C / ||g_i||)
         for m, (a, g) in layers.items():
-            scaled = (g * factor.view(-1, *[1] * (g.dim() - 1))).reshape(-1, g.shape[-1])
+            f = factor.view(-1, *[1] * (g.dim() - 1))
+            # in place when g is autograd's fresh buffer: one activation-sized temporary less per layer
+            scaled = (g.mul_(f) if g.is_contiguous() else g * f).reshape(-1, g.shape[-1])
             if m.weight.requires_grad:
                 self.view_of[id(m.weight)].addmm_(scaled.t(), a.reshape(-1, a.shape[-1]))
             if m.bias is not None and m.bias.requires_grad:
