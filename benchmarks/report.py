@@ -238,7 +238,7 @@ def _notes(results: dict) -> list[str]:
             notes.append(
                 f"Tracking ({'missed' if not t['met'] else 'met, but within noise'}): each MLflow `log_batch` into "
                 f"SQLite takes {fig['log_metrics_ms_per_call']:.1f} ms ({fig['log_metrics_calls_per_run']} per run, "
-                f"one per log line) against a {fig['step_ms_tracking_off']:.1f} ms step; the on/off pairs ranged "
+                f"log lines batched at most once a second) against a {fig['step_ms_tracking_off']:.1f} ms step; the on/off pairs ranged "
                 f"{lo:+.1%} .. {hi:+.1%}"
                 + (f", so the {t['goal']:.0%} target lies within this machine's run-to-run noise." if within else "."))
         if fig["epsilon_busy_share_of_loop"] > 0.1:

@@ -47,30 +47,33 @@ def test_killed_run_resumes_to_the_same_parameters_and_epsilon(tmp_path):
     assert sorted(eps_b) == sorted(set(eps_b)) and 20 in eps_b
 
 
-def test_resume_refusals(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = {"MLFLOW_TRACKING_URI": uri}
+def test_resume_refusals(tmp_path, mlflow_uri):
+    from workbench import compose
+    from workbench.launch import launch
+
+    def cfg(*extra):
+        return compose([*ARGS, f"tracking.uri={mlflow_uri}", *extra])
+
     run_dir = tmp_path / "run"
-    assert run_cli(*ARGS, f"output_dir={run_dir}", cwd=tmp_path, env=env).returncode == 0
+    launch(cfg(f"output_dir={run_dir}"))
     ckpts = checkpoint.list_checkpoints(run_dir)
     assert [p.name for p in ckpts] == ["checkpoint-15.pt", "checkpoint-20.pt"]  # save_total_limit=2 rotates
     assert not list((run_dir / "checkpoints").glob(".*tmp*"))  # no half-written file left behind
 
-    other_privacy = run_cli(*ARGS, f"output_dir={run_dir}", "resume_from_checkpoint=latest", "privacy.max_grad_norm=2",
-                            cwd=tmp_path, env=env)
-    assert other_privacy.returncode == 2 and "different privacy config" in other_privacy.stderr
-
-    missing = run_cli(*ARGS, f"output_dir={tmp_path / 'x'}", f"resume_from_checkpoint={tmp_path / 'nope.pt'}",
-                      cwd=tmp_path, env=env)
-    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    # In-process: the CLI prints exactly these messages (tests/test_cli.py checks the CLI's one-line path).
+    with pytest.raises(WorkbenchError, match="different privacy config"):
+        launch(cfg(f"output_dir={run_dir}", "resume_from_checkpoint=latest", "privacy.max_grad_norm=2"))
+    with pytest.raises(WorkbenchError, match="does not exist"):
+        launch(cfg(f"output_dir={tmp_path / 'x'}", f"resume_from_checkpoint={tmp_path / 'nope.pt'}"))
 
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(ckpts[-1].read_bytes()[:1000])
-    bad = run_cli(*ARGS, f"output_dir={tmp_path / 'y'}", f"resume_from_checkpoint={corrupt}", cwd=tmp_path, env=env)
+    bad = run_cli(*ARGS, f"output_dir={tmp_path / 'y'}", f"resume_from_checkpoint={corrupt}", cwd=tmp_path,
+                  env={"MLFLOW_TRACKING_URI": mlflow_uri})
     assert bad.returncode == 2 and "not a readable workbench checkpoint" in bad.stderr
     assert "Traceback" not in bad.stderr
 
-    client = MlflowClient(tracking_uri=uri)
+    client = MlflowClient(tracking_uri=mlflow_uri)
     statuses = [r.info.status for r in client.search_runs([client.get_experiment_by_name("workbench").experiment_id])]
     assert statuses == ["FINISHED"]  # refusals happen before any run starts
 
