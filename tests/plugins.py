@@ -40,3 +40,19 @@ def batchnorm_mlp(in_features=64, hidden=(128,), num_classes=10):
 
     return nn.Sequential(nn.Linear(in_features, hidden[0]), nn.BatchNorm1d(hidden[0]), nn.ReLU(),
                          nn.Linear(hidden[0], num_classes))
+
+
+def functional_weight_mlp(in_features=64, hidden=(128,), num_classes=10):
+    """A model per-sample clipping would get wrong: the first layer's weight is also used outside that layer's call,
+    which no layer-level check can see (grad_sample_mode=bk refuses it on a real batch before training)."""
+    from torch import nn
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.head = nn.Linear(in_features, hidden[0]), nn.Linear(hidden[0], num_classes)
+
+        def forward(self, x):
+            return self.head(self.fc(x).relu() + x @ self.fc.weight.T)
+
+    return Model()

@@ -111,7 +111,7 @@ def test_auto_grad_sample_mode_picks_the_fastest_that_fits():
 
 class _SequenceModel(nn.Module):
     """Linear layers on (B, T, features) inputs, one of them called twice, one bias frozen: the cases book-keeping
-    handles beyond a plain MLP. ``wide`` makes the first layer take the Gram-matrix (ghost norm) branch."""
+    handles beyond a plain MLP, at two widths."""
 
     def __init__(self, t, wide):
         super().__init__()
@@ -153,3 +153,104 @@ def test_book_keeping_refuses_what_it_cannot_clip():
         with pytest.raises(WorkbenchError, match=match):
             GradientStep(model, nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=1.0, noise_multiplier=0.0,
                          grad_sample_mode="bk")
+
+
+def _reference_for(model_fn, x, y, clip, dtype=torch.float32):
+    """_reference_clipped_sum for any model factory, over its trainable parameters only."""
+    model = model_fn().to(dtype)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in trainable]
+    for i in range(len(y)):
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in trainable))
+        for t, p in zip(total, trainable):
+            t += min(1.0, clip / (float(norm) + 1e-6)) * p.grad
+    return total
+
+
+class _TwoHeadsSum(nn.Module):
+    """z = a(x) + b(tanh x): autograd hands both layers the same gradient tensor."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.a(x) + self.b(torch.tanh(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_book_keeping_layers_sharing_one_output_gradient_and_float64(dtype):
+    x, y = _batch()
+    x = x.to(dtype)
+    expected = _reference_for(_TwoHeadsSum, x, y, 0.5, dtype)
+    step = GradientStep(_TwoHeadsSum().to(dtype), nn.CrossEntropyLoss(reduction="none"), setup("gloo"),
+                        max_grad_norm=0.5, noise_multiplier=0.0, grad_sample_mode="bk")
+    step((x, y), step=0)  # the first batch is also checked against autograd's own sums
+    step((x, y), step=1)  # every later one is not: this is the steady-state path
+    for p, e in zip(step.params, expected):
+        assert p.grad.dtype == dtype
+        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-5)
+
+
+class _TimeMajor(nn.Module):
+    """A (T, B, d) layer input: with T equal to the batch, only a batch-first probe can tell."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.head = nn.Linear(2, 4), nn.Linear(4, 3)
+
+    def forward(self, x):  # x: (B, 13 * 2) -> (13, B, 2): time-major
+        h = torch.tanh(self.fc(x.view(len(x), 13, 2).transpose(0, 1)))
+        return self.head(h.mean(0))
+
+
+class _FunctionalUse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc(x)) + x @ self.fc.weight.T)  # fc.weight also used outside fc's call
+
+
+class _Lora(nn.Linear):
+    def __init__(self):
+        super().__init__(6, 3)
+        self.lora = nn.Parameter(torch.zeros(3, 6))
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight + self.lora, self.bias)
+
+
+@pytest.mark.parametrize("model, x, message", [
+    (_TimeMajor, torch.randn(13, 26), "batch-first"),
+    (_FunctionalUse, torch.randn(13, 6), "does not see every use of 'fc.weight'"),
+    (_Lora, torch.randn(13, 6), "plain nn.Linear, not _Lora"),
+])
+def test_book_keeping_refuses_what_it_would_clip_wrong(model, x, message):
+    from workbench.trainer import fastest_grad_sample_mode
+
+    y = torch.randint(0, 3, (13,))
+    with pytest.raises(WorkbenchError, match=message):
+        step = GradientStep(model(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=1.0,
+                            noise_multiplier=0.0, grad_sample_mode="bk")
+        step((x, y), step=0)
+    if model is _Lora:  # auto falls back to the mode that handles a Linear subclass: Opacus' hooks
+        assert fastest_grad_sample_mode(model()) == "hooks"
+
+
+def test_step_refuses_a_batch_mean_loss_and_a_model_without_trainable_parameters():
+    d = setup("gloo")
+    for mode in ("bk", "hooks"):
+        step = GradientStep(_model(), nn.CrossEntropyLoss(), d, max_grad_norm=1.0, noise_multiplier=0.0,
+                            grad_sample_mode=mode)
+        with pytest.raises(WorkbenchError, match="one loss per example"):
+            step(_batch(), step=0)
+    frozen = _model().requires_grad_(False)
+    with pytest.raises(WorkbenchError, match="no trainable parameters"):
+        GradientStep(frozen, nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=1.0, noise_multiplier=0.0)

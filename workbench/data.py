@@ -148,6 +148,11 @@ def train_loader(dataset: Dataset, sampler: PoissonBatchSampler, cfg, device: to
     return DataLoader(dataset, batch_sampler=sampler, **_loader_kwargs(cfg, device))
 
 
+def first_examples(dataset: Dataset, count: int):
+    """The dataset's first ``count`` examples, collated as the training loader collates: for checks before training."""
+    return next(iter(DataLoader(dataset, batch_sampler=[list(range(min(len(dataset), count)))], collate_fn=collate)))
+
+
 def eval_shard(dataset_size: int, rank: int, world_size: int) -> range:
     """Contiguous, near-equal, never padded: the gathered predictions are the dataset in order, each example once."""
     return range(rank * dataset_size // world_size, (rank + 1) * dataset_size // world_size)

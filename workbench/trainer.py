@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
 
+from workbench import book_keeping
 from workbench.data import step_generator
 from workbench.distributed import Dist
 from workbench.errors import WorkbenchError
@@ -51,33 +51,13 @@ _EW_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.Group
               nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
 
-def _trainable_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
-
-
-def _as_sequence(t: torch.Tensor, n: int) -> torch.Tensor:
-    return t.reshape(n, -1, t.shape[-1])
-
-
-def _bk_refusal(layers: list[nn.Module]) -> str | None:
-    """Why book-keeping cannot clip these layers (None: it can). It sums per layer, so a parameter shared between
-    layers would have its per-sample norm split in two and under-counted."""
-    other = [type(m).__name__ for m in layers if not isinstance(m, nn.Linear)]
-    if other:
-        return f"handles models whose trainable layers are all nn.Linear, not {other[0]}"
-    params = [p for m in layers for p in m.parameters(recurse=False)]
-    if len({id(p) for p in params}) < len(params):
-        return "cannot clip a parameter shared between layers (tied weights)"
-    return None
-
-
 def fastest_grad_sample_mode(model: nn.Module) -> str:
     """What grad_sample_mode=auto picks, by benchmarks/RESULTS.md: book-keeping for all-Linear models (one backward,
     per-sample gradients never materialised), expanded weights where it covers every layer, else Opacus' hooks."""
-    layers = _trainable_layers(model)
-    if layers and _bk_refusal(layers) is None:
+    layers = book_keeping.trainable_layers(model)
+    if layers and book_keeping.refusal(layers) is None:
         return "bk"
-    if layers and all(isinstance(m, _EW_LAYERS) for m in layers):
+    if layers and all(type(m) in _EW_LAYERS for m in layers):  # exact types: a subclass may compute otherwise
         return "ew"
     return "hooks"
 
@@ -96,12 +76,17 @@ class GradientStep:
         self.clip, self.sigma, self.mode = max_grad_norm, noise_multiplier, grad_sample_mode
         self.max_physical_batch_size, self.noise_seed = max_physical_batch_size, noise_seed
         self.private = max_grad_norm is not None
-        self.module = self._wrap(model) if self.private else model
         self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise WorkbenchError("the model has no trainable parameters")
+        if len({p.dtype for p in self.params}) > 1:
+            raise WorkbenchError(f"the model's trainable parameters mix dtypes {sorted({str(p.dtype) for p in self.params})}; "
+                                 "one flat gradient buffer needs one")
+        self.module = self._wrap(model) if self.private else model
         numel = sum(p.numel() for p in self.params)
         device = self.params[0].device
         # Gradient sum, then [loss sum, example count]: the step's one collective carries all three.
-        self.flat = torch.zeros(numel + 2, device=device)
+        self.flat = torch.zeros(numel + 2, device=device, dtype=self.params[0].dtype)
         self.grad_views, offset = [], 0
         for p in self.params:
             self.grad_views.append(self.flat[offset:offset + p.numel()].view_as(p))
@@ -114,10 +99,7 @@ class GradientStep:
         if self.mode == "auto":
             self.mode = fastest_grad_sample_mode(model)
         if self.mode == "bk":
-            self.bk_layers = _trainable_layers(model)
-            refusal = _bk_refusal(self.bk_layers)
-            if refusal:
-                raise WorkbenchError(f"grad_sample_mode=bk {refusal}: use grad_sample_mode=auto")
+            self.bk = book_keeping.BookKeeping(model, self.clip)
             return model
         from opacus.grad_sample import GradSampleModule, GradSampleModuleExpandedWeights
         from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
@@ -129,11 +111,33 @@ class GradientStep:
             return GradSampleModuleExpandedWeights(model, batch_first=True, loss_reduction="sum")
         return GradSampleModule(model, batch_first=True, loss_reduction="sum", force_functorch=self.mode == "functorch")
 
+    def check(self, batch: Any) -> None:
+        """Before any training, on a real batch: the criterion gives one loss per example, and book-keeping's
+        assumptions about the model hold (they cannot all be read off the layers)."""
+        x, y = batch[0].to(self.flat.device), batch[1].to(self.flat.device)
+        if self.private and self.mode == "bk":
+            self.bk.check(x, y, self._losses)
+            return
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                self._losses(self.module(x), y)
+        finally:
+            self.module.train(was_training)
+
+    def _losses(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        losses = self.criterion(output, y)
+        if losses.dim() != 1 or len(losses) != len(y):
+            raise WorkbenchError(f"the criterion must return one loss per example (reduction='none'), not shape "
+                                 f"{tuple(losses.shape)} for a batch of {len(y)}")
+        return losses
+
     def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Add the micro-batch's (clipped) gradient sum to the flat buffer; return its per-sample losses."""
         if self.private and self.mode == "bk":
-            return self._accumulate_bk(x, y)
-        losses = self.criterion(self.module(x), y)
+            return self.bk.accumulate(x, y, self._losses, self.view_of)
+        losses = self._losses(self.module(x), y)
         if not self.private:
             losses.sum().backward()
             for p, view in zip(self.params, self.grad_views):
@@ -180,63 +184,6 @@ class GradientStep:
             if p.grad is not None:
                 view.add_(p.grad)
                 p.grad = None
-        return losses.detach()
-
-    def _accumulate_bk(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        # Book-keeping clipping (Bu et al., 2023) for nn.Linear layers: keep each layer's input a and output z, ask
-        # autograd for dL/dz only (one backward, no weight gradients), then per-sample norms in closed form and the
-        # clipped sums sum_i f_i g_i^T a_i as one matmul per layer. Per-sample gradients exist only where cheaper.
-        # The output is kept as its autograd edge, not the tensor: memory like a non-private step's.
-        records: list[tuple[nn.Module, torch.Tensor, Any]] = []
-        handles = [m.register_forward_hook(lambda m, inp, out: records.append((m, inp[0].detach(), get_gradient_edge(out))))
-                   for m in self.bk_layers]
-        try:
-            losses = self.criterion(self.module(x), y)
-        finally:
-            for h in handles:
-                h.remove()
-        n = len(y)
-        grads = torch.autograd.grad(losses.sum(), [edge for _, _, edge in records], allow_unused=True)
-        # Per layer, (a, g) as (B, features), or (B, T, features) for a sequence or a layer called more than once.
-        layers: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
-        for (m, a, _), g in zip(records, grads):
-            if g is None:  # this output did not reach the loss
-                continue
-            if a.shape[0] != n:
-                raise WorkbenchError(f"grad_sample_mode=bk needs batch-first inputs: {type(m).__name__} got "
-                                     f"{tuple(a.shape)} for a batch of {n}; use grad_sample_mode=hooks")
-            if m in layers:
-                a, g = (torch.cat([_as_sequence(old, n), _as_sequence(new, n)], 1) for old, new in zip(layers[m], (a, g)))
-            elif a.dim() > 2:
-                a, g = _as_sequence(a, n), _as_sequence(g, n)
-            layers[m] = (a, g)
-        norms2 = torch.zeros(n, device=y.device)
-        for m, (a, g) in layers.items():
-            if a.dim() == 2:  # ||g a^T||^2 = ||a||^2 ||g||^2, and the bias gradient is g itself
-                gg = torch.linalg.vecdot(g, g)
-                if m.weight.requires_grad:
-                    norms2.addcmul_(torch.linalg.vecdot(a, a), gg)
-                if m.bias is not None and m.bias.requires_grad:
-                    norms2.add_(gg)
-                continue
-            t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
-            if m.weight.requires_grad:
-                if t * (d_in + d_out) <= d_in * d_out:  # ghost norm: <a a^T, g g^T> without the gradient
-                    norms2.add_((torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2)))
-                else:  # the per-sample gradients are smaller than the Gram matrices
-                    norms2.add_(torch.bmm(g.transpose(1, 2), a).square().sum((1, 2)))
-            if m.bias is not None and m.bias.requires_grad:
-                bias_grad = g.sum(1)
-                norms2.add_(torch.linalg.vecdot(bias_grad, bias_grad))
-        factor = norms2.sqrt_().add_(1e-6).reciprocal_().mul_(self.clip).clamp_(max=1.0)  # min(1, C / ||g_i||)
-        for m, (a, g) in layers.items():
-            f = factor.view(-1, *[1] * (g.dim() - 1))
-            # in place when g is autograd's fresh buffer: one activation-sized temporary less per layer
-            scaled = (g.mul_(f) if g.is_contiguous() else g * f).reshape(-1, g.shape[-1])
-            if m.weight.requires_grad:
-                self.view_of[id(m.weight)].addmm_(scaled.t(), a.reshape(-1, a.shape[-1]))
-            if m.bias is not None and m.bias.requires_grad:
-                self.view_of[id(m.bias)].add_(scaled.sum(0))
         return losses.detach()
 
     def __call__(self, batch: Any, step: int) -> tuple[float, float]:
