@@ -7,6 +7,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -50,12 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent,
                         help="folder for results.json and RESULTS.md (default: benchmarks/)")
     parser.add_argument("--only", default=",".join(FIGURES),
-                        help=f"comma-separated subset of: {', '.join(FIGURES)}")
+                        help=f"comma-separated subset of: {', '.join(FIGURES)} (the other figures in --out/results.json "
+                             "of the same mode are kept)")
     parser.add_argument("--render", action="store_true",
                         help="only re-write RESULTS.md from the results.json already in --out (no measuring)")
     args = parser.parse_args(argv)
     if args.render:
-        import json
 
         from benchmarks import report
 
@@ -88,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{machine['versions']['torch']}, 1 thread per process; load average {machine['load_avg_1min']}", flush=True)
 
     results: dict = {}
+    previous = args.out / "results.json"
+    if set(only) != set(FIGURES) and previous.exists():  # --only re-measures some figures and keeps the others
+        results = {k: v for k, v in json.loads(previous.read_text()).items() if v.get("mode") == settings.mode}
     fastest: dict[str, str] | None = None
+    if "dp_vs_nonprivate" in results:
+        fastest = {m: v["fastest_mode"] for m, v in results["dp_vs_nonprivate"]["models"].items()}
     t_all = time.perf_counter()
     for name in FIGURES:
         if name not in only:
@@ -120,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  ({seconds:.0f} s)", flush=True)
         dump_json(results, args.out / "results.json")  # partial results survive a later failure
     total = time.perf_counter() - t_all
+    results = {name: results[name] for name in FIGURES if name in results}
     (args.out / "RESULTS.md").write_text(report.render(results, settings.mode, command, machine, total))
     print(f"wrote {args.out / 'results.json'} and {args.out / 'RESULTS.md'} in {total:.0f} s", flush=True)
     return 0
