@@ -90,7 +90,7 @@ def test_bad_input_fails_fast_with_one_line_and_no_run(tmp_path, args, message):
     (["model._target_=builtins.dict"], "not a torch.nn.Module"),
     (["model._target_=torch.nn.Sequential"], "could not build model"),
     (["model._target_=tests.plugins.batchnorm_mlp"], "BatchNorm -> GroupNorm"),
-    (["model._target_=tests.plugins.functional_weight_mlp"], "does not see every use of 'fc.weight'"),
+    (["model._target_=tests.plugins.functional_weight_mlp"], "gradient of 'fc.weight' is not its own"),
     (["compute_metrics=os.path.nosuch"], "not an importable function"),
     (["lr_scheduler_type=exotic"], "lr_scheduler_type='exotic' is unknown"),
 ])

@@ -227,9 +227,23 @@ class _Lora(nn.Linear):
         return nn.functional.linear(x, self.weight + self.lora, self.bias)
 
 
+class _CentredLogits(nn.Module):
+    """Mixes examples after the last Linear (logits centred over the batch): no layer-level check can see it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        z = self.fc(x)
+        return z - z.mean(0) if self.training else z  # and only in training mode
+
+
 @pytest.mark.parametrize("model, x, message", [
-    (_TimeMajor, torch.randn(13, 26), "batch-first"),
-    (_FunctionalUse, torch.randn(13, 6), "does not see every use of 'fc.weight'"),
+    (_TimeMajor, torch.randn(13, 26), "example 0's gradient of 'fc.weight' is not its own"),
+    (_FunctionalUse, torch.randn(13, 6), "gradient of 'fc.weight' is not its own"),
+    (_CentredLogits, torch.randn(13, 6), "the model mixes examples"),
     (_Lora, torch.randn(13, 6), "plain nn.Linear, not _Lora"),
 ])
 def test_book_keeping_refuses_what_it_would_clip_wrong(model, x, message):

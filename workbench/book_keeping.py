@@ -6,7 +6,7 @@ a (B, T, d) input, or a layer called more than once, forms the per-sample gradie
 negative, unlike the Gram-matrix "ghost" norm in float32). The clipped sum sum_i f_i g_i a_i^T is one matmul per layer.
 
 It relies on what every per-sample mode relies on -- a Linear's input rows are examples, one loss per example -- and on
-seeing every use of a weight. :meth:`BookKeeping.check` verifies both on a real batch before training.
+seeing every use of a weight. :meth:`BookKeeping.check` verifies this on a real batch before training.
 """
 
 from __future__ import annotations
@@ -63,27 +63,6 @@ class BookKeeping:
             for h in handles:
                 h.remove()
 
-    def check_batch_first(self, x: torch.Tensor) -> None:
-        """Every Linear input's rows must be the examples: dim 0 follows the batch (1, then 2) and example 0's row
-        does not change when example 1 joins. Time-major inputs, shared tables and batch-mixing layers fail here."""
-        runs: list[list[tuple[nn.Module, torch.Tensor]]] = [[], []]
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                for k, run in zip((1, 2), runs):
-                    self._forward(x[:k], lambda m, args, kwargs, out, run=run: run.append((m, _input(args, kwargs))))
-        finally:
-            self.model.train(was_training)
-        for (m, one), (_, two) in zip(*runs):
-            name = self.names[id(m.weight)].removesuffix(".weight")
-            if one.shape[0] != 1 or two.shape[0] != 2:
-                raise WorkbenchError(f"grad_sample_mode=bk needs batch-first inputs: layer {name!r} got "
-                                     f"{tuple(two.shape)} for 2 examples; make the model batch-first")
-            if not torch.allclose(one[0], two[0], rtol=1e-3, atol=1e-5 * (1.0 + float(two.abs().max()))):
-                raise WorkbenchError(f"grad_sample_mode=bk: layer {name!r} sees inputs that mix examples (its row "
-                                     "for example 0 changes when example 1 joins); per-sample clipping cannot apply")
-
     def _run(self, x: torch.Tensor, y: torch.Tensor, losses_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
         """Forward with the recording hooks; returns the per-example losses and, per layer that ran, its input and the
         autograd edge of its output (the edge, not the tensor: memory like a non-private step's)."""
@@ -99,7 +78,7 @@ class BookKeeping:
             raise WorkbenchError("grad_sample_mode=bk: no nn.Linear layer ran in the model's forward")
         return losses, records
 
-    def _layers(self, records: list, grads: tuple, n: int) -> dict[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    def _by_layer(self, records: list, grads: tuple, n: int) -> dict[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, (a, g) as (B, features), or (B, T, features) for a sequence or a layer called more than once."""
         layers: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
         for (m, a, _), g in zip(records, grads):
@@ -118,15 +97,39 @@ class BookKeeping:
 
     def check(self, x: torch.Tensor, y: torch.Tensor,
               losses_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        """On a real batch: rows are examples, and bk's unclipped sums equal autograd's gradients."""
-        if len(y) < 2:  # one example cannot show rows mixing; accumulate checks the first larger batch
+        """On a real batch, in the model's training mode: each example's row of bk must be that example's own gradient
+        (autograd's gradient of its loss alone). Time-major inputs, layers or losses that mix examples, and weights
+        used outside their layer all fail it; mixing that appears only in larger batches cannot be seen."""
+        n = len(y)
+        if n < 2:  # one example cannot show mixing; accumulate checks the first larger batch
             return
-        self.check_batch_first(x)
         losses, records = self._run(x, y, losses_of)
+        grads = torch.autograd.grad(losses.sum(), [edge for _, _, edge in records], retain_graph=True,
+                                    allow_unused=True)
+        layers = self._by_layer(records, grads, n)
         params = [p for m in self.layers for p in m.parameters(recurse=False) if p.requires_grad]
-        reference = torch.autograd.grad(losses.sum(), params, retain_graph=True, allow_unused=True)
-        grads = torch.autograd.grad(losses.sum(), [edge for _, _, edge in records], allow_unused=True)
-        self._check_sums(self._layers(records, grads, len(y)), dict(zip(map(id, params), reference)))
+        tolerance = max(1e-4, 16 * torch.finfo(params[0].dtype).eps)
+        exact = torch.promote_types(params[0].dtype, torch.float32)
+        for k in range(n):
+            mine: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # parameter id -> (row k's gradient, its |terms|)
+            for m, (a, g) in layers.items():
+                ak, gk = _as_sequence(a, n)[k].to(exact), _as_sequence(g, n)[k].to(exact)
+                if m.weight.requires_grad:
+                    mine[id(m.weight)] = (gk.t() @ ak, gk.abs().t() @ ak.abs())
+                if m.bias is not None and m.bias.requires_grad:
+                    mine[id(m.bias)] = (gk.sum(0), gk.abs().sum(0))
+            own = torch.autograd.grad(losses[k], params, retain_graph=True, allow_unused=True)
+            for p, ref in zip(params, own):
+                ref = torch.zeros(p.shape, device=p.device, dtype=exact) if ref is None else ref.to(exact)
+                got, magnitude = mine.get(id(p), (torch.zeros_like(ref), torch.zeros_like(ref)))
+                # rounding grows with the terms summed, not with their (possibly cancelling) sum; in half precision
+                # small entries underflow, hence the floor at the parameter's largest term
+                bound = tolerance * (ref.abs() + magnitude + float(magnitude.max()) * tolerance) + 1e-12
+                if not bool(((got - ref).abs() <= bound).all()):
+                    raise WorkbenchError(
+                        f"grad_sample_mode=bk: example {k}'s gradient of {self.names[id(p)]!r} is not its own: the "
+                        "model mixes examples (across the batch, in a layer or the loss), feeds a layer time-major, "
+                        "or uses the weight outside its layer; per-sample clipping cannot apply")
         self.checked = True
 
     def accumulate(self, x: torch.Tensor, y: torch.Tensor, losses_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -138,10 +141,12 @@ class BookKeeping:
             self.check(x, y, losses_of)
         losses, records = self._run(x, y, losses_of)
         grads = torch.autograd.grad(losses.sum(), [edge for _, _, edge in records], allow_unused=True)
-        layers = self._layers(records, grads, n)
-        norms2 = torch.zeros(n, device=y.device, dtype=next(iter(view_of.values())).dtype)
+        layers = self._by_layer(records, grads, n)
+        dtype = next(iter(view_of.values())).dtype
+        norms2 = torch.zeros(n, device=y.device, dtype=torch.promote_types(dtype, torch.float32))
         for m, (a, g) in layers.items():
             if a.dim() == 2:  # ||g a^T||^2 = ||a||^2 ||g||^2; the bias gradient is g itself
+                a, g = a.to(norms2.dtype), g.to(norms2.dtype)  # no-ops in float32/64
                 gg = torch.linalg.vecdot(g, g)
                 if m.weight.requires_grad:
                     norms2.addcmul_(torch.linalg.vecdot(a, a), gg)
@@ -149,40 +154,16 @@ class BookKeeping:
                     norms2.add_(gg)
                 continue
             if m.weight.requires_grad:
-                norms2.add_(torch.bmm(g.transpose(1, 2), a).square().sum((1, 2)))
+                norms2.add_(torch.bmm(g.transpose(1, 2), a).to(norms2.dtype).square().sum((1, 2)))
             if m.bias is not None and m.bias.requires_grad:
-                bias_grad = g.sum(1)
+                bias_grad = g.sum(1).to(norms2.dtype)
                 norms2.add_(torch.linalg.vecdot(bias_grad, bias_grad))
         factor = norms2.sqrt_().add_(1e-6).reciprocal_().mul_(self.clip).clamp_(max=1.0)  # min(1, C / ||g_i||)
         for m, (a, g) in layers.items():
             # out of place: autograd may hand the same gradient tensor to two layers (z = a(x) + b(x))
-            scaled = (g * factor.view(-1, *[1] * (g.dim() - 1))).reshape(-1, g.shape[-1])
+            scaled = (g * factor.view(-1, *[1] * (g.dim() - 1))).to(g.dtype).reshape(-1, g.shape[-1])
             if m.weight.requires_grad:
                 view_of[id(m.weight)].addmm_(scaled.t(), a.reshape(-1, a.shape[-1]))
             if m.bias is not None and m.bias.requires_grad:
                 view_of[id(m.bias)].add_(scaled.sum(0))
         return losses.detach()
-
-    def _check_sums(self, layers: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]],
-                    reference: dict[int, torch.Tensor | None]) -> None:
-        """bk's unclipped sums must equal autograd's gradients: a weight also used outside its Linear call (say
-        ``x @ fc.weight.T``), or an input changed in place after the call, would otherwise train silently wrong."""
-        mine: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # parameter id -> (sum, sum of |terms|)
-        for m, (a, g) in layers.items():
-            g2, a2 = g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1])
-            if m.weight.requires_grad:
-                mine[id(m.weight)] = (g2.t() @ a2, g2.abs().t() @ a2.abs())
-            if m.bias is not None and m.bias.requires_grad:
-                mine[id(m.bias)] = (g2.sum(0), g2.abs().sum(0))
-        for pid, ref in reference.items():
-            got, magnitude = mine.get(pid, (None, None))
-            if ref is None and got is None:
-                continue
-            ref = torch.zeros_like(got) if ref is None else ref
-            if got is None:
-                got = magnitude = torch.zeros_like(ref)
-            # float rounding grows with the terms summed, not with their (possibly cancelling) sum
-            if not bool(((got - ref).abs() <= 1e-3 * ref.abs() + 1e-4 * magnitude + 1e-12).all()):
-                raise WorkbenchError(f"grad_sample_mode=bk does not see every use of {self.names[pid]!r}: it is used "
-                                     "outside its nn.Linear call, or that call's input is changed in place after it; "
-                                     "per-sample clipping needs each weight used only through its own layer")

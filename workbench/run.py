@@ -142,8 +142,8 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
     step_fn = GradientStep(model, criterion, d, max_grad_norm=p.max_grad_norm if p.enabled else None,
                            noise_multiplier=sigma, grad_sample_mode=p.grad_sample_mode,
                            max_physical_batch_size=cfg.max_physical_batch_size)
-    # The same two examples on every rank: a refusal is raised everywhere alike, before any run exists.
-    step_fn.check(data.first_examples(train_set, 2))
+    # The same examples on every rank: a refusal is raised everywhere alike, before any run exists.
+    step_fn.check(data.first_examples(train_set, 8))
     optimizer = _instantiate(cfg.optimizer, "optimizer")(step_fn.params, lr=cfg.learning_rate,
                                                          weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_scheduler_type, cfg.warmup_steps, total_steps))

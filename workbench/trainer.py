@@ -189,6 +189,8 @@ class GradientStep:
     def __call__(self, batch: Any, step: int) -> tuple[float, float]:
         """Fill each parameter's .grad with the noised clipped sum; return the cluster-wide (loss sum, example count)."""
         self.flat.zero_()
+        for p in self.params:  # a .grad left from outside (no zero_grad) must not leak unclipped into the backward modes
+            p.grad = None
         if batch is not None:
             x, y = batch[0].to(self.flat.device, non_blocking=True), batch[1].to(self.flat.device, non_blocking=True)
             for start in range(0, len(y), self.max_physical_batch_size):
