@@ -85,9 +85,10 @@ class BookKeeping:
             if g is None:  # this output did not reach the loss
                 continue
             if a.shape[0] != n:
-                raise WorkbenchError(f"grad_sample_mode=bk needs batch-first inputs: layer "
-                                     f"{self.names[id(m.weight)].removesuffix('.weight')!r} got {tuple(a.shape)} "
-                                     f"for a batch of {n}; make the model batch-first")
+                raise WorkbenchError(f"grad_sample_mode=bk needs each nn.Linear input to keep the batch as dim 0: "
+                                     f"layer {self.names[id(m.weight)].removesuffix('.weight')!r} got "
+                                     f"{tuple(a.shape)} for a batch of {n} (flattened or time-major?); reshape it "
+                                     "to (batch, ..., features)")
             if m in layers:
                 a, g = (torch.cat([_as_sequence(old, n), _as_sequence(new, n)], 1) for old, new in zip(layers[m], (a, g)))
             elif a.dim() > 2:
@@ -103,7 +104,12 @@ class BookKeeping:
         n = len(y)
         if n < 2:  # one example cannot show mixing; accumulate checks the first larger batch
             return
-        losses, records = self._run(x, y, losses_of)
+        was_training = self.model.training
+        self.model.train()  # the mode it trains in, whatever mode it was handed over in
+        try:
+            losses, records = self._run(x, y, losses_of)
+        finally:
+            self.model.train(was_training)
         grads = torch.autograd.grad(losses.sum(), [edge for _, _, edge in records], retain_graph=True,
                                     allow_unused=True)
         layers = self._by_layer(records, grads, n)
