@@ -53,6 +53,19 @@ def _worker(rank: int, world_size: int, port: int, payload: bytes, results) -> N
 
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         raise SystemExit(1)
+    _exit_once_reported(results)
+
+
+def _exit_once_reported(results) -> None:
+    """Leave without the interpreter's teardown once the result is out: torch's C++ threads (gloo) can abort the
+    process there ("terminate called without an active exception"), turning a finished rank into a failed one."""
+    import sys
+
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch_distributed(fn: Callable[..., Any], nprocs: int = 2, *args, timeout: float = 600, **kwargs) -> list[Any]:

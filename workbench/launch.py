@@ -8,9 +8,11 @@ on that same config; nothing is re-composed in the job. On preemption or timeout
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,16 @@ def launch(cfg: DictConfig) -> Any:
     return submit(cfg)
 
 
+def _exit_if_reported(result_pickle: Path) -> None:
+    """At exit of a task whose result submitit has written: leave without the interpreter's teardown, where torch's
+    C++ threads (gloo) can abort the process and turn a COMPLETED task into a FAILED one."""
+    if result_pickle.exists():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 class Job:
     """What submitit runs on every task: the same trainer on the config fixed at submission. Checkpointable: on
     preemption/timeout it requeues itself to resume from the newest checkpoint of its run folder."""
@@ -73,6 +85,7 @@ class Job:
         from workbench.run import train
 
         result = train(OmegaConf.create(self.cfg_yaml))
+        atexit.register(_exit_if_reported, env.paths.result_pickle)
         return {"rank": env.global_rank, "metrics": result.metrics, "epsilon": result.epsilon, "steps": result.steps,
                 "run_id": result.run_id, "output_dir": str(result.output_dir)}
 

@@ -82,7 +82,9 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None) -> TrainResu
                 "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags}
         tracker.start(tags, run_id=job["resume_run_id"] or cfg.tracking.run_id, sweep_dir=cfg.tracking.sweep_dir)
         run_id = d.broadcast_object(tracker.run_id)
-        return _fit(cfg, d, job, tracker, run_id, output_dir)
+        result = _fit(cfg, d, job, tracker, run_id, output_dir)
+        d.barrier()  # ranks leave together: one tearing its gloo connections down under a busy peer can abort
+        return result
     except BaseException as e:
         if tracker is not None:
             tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
