@@ -17,6 +17,7 @@ by a barrier; the median per-step cost is reported.
 
 from __future__ import annotations
 
+import functools
 import time
 
 from benchmarks.common import Settings, interleaved, median, target
@@ -73,34 +74,19 @@ def _worker(configs: list[tuple[str, str]], steps: int, warmup: int, repeats: in
             for model_name in sorted({m for m, _ in configs}):
                 params = [p for p in make_model(model_name).parameters() if p.requires_grad]
                 numel = sum(p.numel() for p in params)
-                flat = torch.zeros(numel + 2)
-                grads = [torch.zeros_like(p) for p in params]
+                tensors = {"flat": [torch.zeros(numel + 2)],  # workbench: one buffer per step
+                           "per_parameter": [torch.zeros_like(p) for p in params],  # Opacus: one per .grad
+                           "small": [torch.zeros(SMALL)]}  # the latency floor
 
-                def flat_block(n=allreduce_iters, flat=flat):
+                def block(n=allreduce_iters, *, xs):
                     d.barrier()
                     t = time.perf_counter()
                     for _ in range(n):
-                        tdist.all_reduce(flat)
+                        for x in xs:
+                            tdist.all_reduce(x)
                     return float(n), time.perf_counter() - t
 
-                def per_param_block(n=allreduce_iters, grads=grads):
-                    d.barrier()
-                    t = time.perf_counter()
-                    for _ in range(n):
-                        for g in grads:
-                            tdist.all_reduce(g)
-                    return float(n), time.perf_counter() - t
-
-                small = torch.zeros(SMALL)
-
-                def latency_block(n=allreduce_iters, small=small):
-                    d.barrier()
-                    t = time.perf_counter()
-                    for _ in range(n):
-                        tdist.all_reduce(small)
-                    return float(n), time.perf_counter() - t
-
-                blocks = {"flat": flat_block, "per_parameter": per_param_block, "small": latency_block}
+                blocks = {k: functools.partial(block, xs=xs) for k, xs in tensors.items()}
                 for b in blocks.values():
                     b(max(10, allreduce_iters // 10))
                 ops = interleaved(blocks, repeats)
