@@ -9,17 +9,22 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from typing import Any, Callable, Sequence
 
+from hydra.errors import HydraException
 from omegaconf import DictConfig
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from workbench import config
+from workbench.errors import WorkbenchError
 
 
 def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictConfig:
-    """Compose ``conf/`` with Hydra overrides, exactly as the CLI would. Safe to call again in a notebook cell."""
+    """Compose ``conf/`` with Hydra overrides, exactly as the CLI would. Safe to call again in a notebook cell.
+    Hydra's own refusals (unknown key or group choice, wrong type, unparsable override) raise WorkbenchError."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -27,7 +32,45 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
     if GlobalHydra.instance().is_initialized():  # a previous cell (or an interrupted one) left Hydra initialised
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config.CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=list(overrides))
+        try:
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+        except (HydraException, OmegaConfBaseException, ValueError) as e:
+            raise WorkbenchError(_one_line(e, overrides)) from None
+
+
+def _one_line(e: Exception, overrides: Sequence[str]) -> str:
+    """Hydra's 3-9 line composition errors as the one line a user needs."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+
+    text = str(e)
+    if isinstance(e, MissingConfigException) and (m := re.search(r"Could not find '(.+)/([^/']+)'", text)):
+        group, choice = m.groups()
+        options = re.findall(r"^\t(\S+)$", text.split("Available options", 1)[-1].split("Config search path", 1)[0], re.M)
+        return f"{group}={choice} is unknown; choose one of {', '.join(options)}" if options else \
+            f"{group}={choice} is unknown: there is no conf/{group}/{choice}.yaml"
+    cause = e.__cause__
+    if isinstance(cause, ConfigKeyError) or isinstance(cause, ConfigAttributeError):
+        key = cause.full_key
+        if key.split(".")[0] in ("data", "model", "optimizer", "criterion") or key.startswith(("tracking.tags.", "launcher.additional_parameters.")):
+            return f"{key} is not set in this config; add it with +{key}=... (a free-form node takes new keys)"
+        return str(config.unknown_key(key))
+    if isinstance(cause, ValidationError):
+        return f"wrong type for {cause.full_key}: {str(cause).splitlines()[0]}"
+    if isinstance(e, OverrideParseException):
+        bad = next((o for o in overrides if _unparsable(o)), None)
+        return f"cannot parse the override {bad!r}: {text.splitlines()[0]}" if bad else text.splitlines()[0]
+    first = " ".join(text.split("\n")[0:2]) if text.startswith("Could not append") else text.splitlines()[0]
+    return f"bad override: {first}" + (f": {str(cause).splitlines()[0]}" if cause is not None else "")
+
+
+def _unparsable(override: str) -> bool:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        OverridesParser.create().parse_override(override)
+        return False
+    except Exception:  # noqa: BLE001
+        return True
 
 
 def free_port() -> int:

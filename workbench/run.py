@@ -17,7 +17,7 @@ from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from workbench import checkpoint, config, data, distributed, privacy
+from workbench import checkpoint, config, data, data_checks, distributed, privacy
 from workbench.errors import WorkbenchError
 from workbench.tracking import git_sha, make_tracker, ui_command
 from workbench.trainer import Evaluator, GradientStep, History, Trainer, check_model, lr_lambda
@@ -117,6 +117,10 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
         for t in model.state_dict().values():
             torch.distributed.broadcast(t, 0)
     criterion = _instantiate(cfg.criterion, "criterion", reduction="none")
+    for split, dataset in (("train", train_set), ("eval", eval_set)):
+        if dataset is not None:
+            data_checks.check_fit(dataset, f"data.{split} ({cfg.data[split].get('_target_', 'no _target_')})", model,
+                                  criterion, d.device)
 
     p = cfg.privacy
     accountant = delta = None
