@@ -56,3 +56,19 @@ def functional_weight_mlp(in_features=64, hidden=(128,), num_classes=10):
             return self.head(self.fc(x).relu() + x @ self.fc.weight.T)
 
     return Model()
+
+
+class FlawedSynthetic(Synthetic):
+    """Synthetic data with one planted flaw, as a user's real data might have: `nan_input` or `inf_input` at example
+    `at`, a `negative_label` there, or `float_labels` throughout."""
+
+    def __init__(self, flaw: str, at: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        x, y = self.tensors
+        if flaw in ("nan_input", "inf_input"):
+            x[at, 3] = float("nan") if flaw == "nan_input" else float("inf")
+        elif flaw == "negative_label":
+            y[at] = -3
+        elif flaw == "float_labels":
+            y = y.float()
+        self.tensors = (x, y)

@@ -204,8 +204,11 @@ def schema_keys(schema: type = None, prefix: str = "") -> list[str]:
 
 
 def unknown_key(key: str) -> WorkbenchError:
-    close = difflib.get_close_matches(key, schema_keys(), n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]}?" if close else ""
+    parent, _, leaf = key.rpartition(".")
+    siblings = [k.rpartition(".")[2] for k in schema_keys() if k.rpartition(".")[0] == parent]
+    close = [k for k in siblings if k.startswith(leaf) or leaf.startswith(k)] or \
+        difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+    hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
     return WorkbenchError(f"unknown key {key!r}{hint} (the schema is workbench/config.py; new keys are taken only "
                           f"under {', '.join(FREE_FORM)})")
 

@@ -107,6 +107,9 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
                       f"{d.world_size} ranks get equal shards ({shard.population} used)", stacklevel=1)
     expected_batch = cfg.per_device_train_batch_size * d.world_size
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * shard.population / expected_batch)
+    if total_steps > config.STEPS_MAX:
+        raise WorkbenchError(f"num_train_epochs={cfg.num_train_epochs} makes {total_steps} steps, more than "
+                             f"{config.STEPS_MAX}; lower it or set max_steps")
 
     model = _instantiate(cfg.model, "model")
     if not isinstance(model, nn.Module):
@@ -117,6 +120,8 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
         for t in model.state_dict().values():
             torch.distributed.broadcast(t, 0)
     criterion = _instantiate(cfg.criterion, "criterion", reduction="none")
+    make_optimizer = _instantiate(cfg.optimizer, "optimizer")  # refused here, before the seconds of noise calibration
+    metrics_fn = compute_metrics or _compute_metrics(cfg.compute_metrics)
     for split, dataset in (("train", train_set), ("eval", eval_set)):
         if dataset is not None:
             data_checks.check_fit(dataset, f"data.{split} ({cfg.data[split].get('_target_', 'no _target_')})", model,
@@ -150,10 +155,8 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
                            max_physical_batch_size=cfg.max_physical_batch_size)
     # The same examples on every rank: a refusal is raised everywhere alike, before any run exists.
     step_fn.check(data.first_examples(train_set, 8))
-    optimizer = _instantiate(cfg.optimizer, "optimizer")(step_fn.params, lr=cfg.learning_rate,
-                                                         weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(step_fn.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_scheduler_type, cfg.warmup_steps, total_steps))
-    metrics_fn = compute_metrics or _compute_metrics(cfg.compute_metrics)
 
     digest = config.privacy_digest(cfg, d.world_size)
     start_step, resume_run_id = 0, None
