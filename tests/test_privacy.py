@@ -295,3 +295,25 @@ def test_default_delta_is_below_one_over_n():
         assert privacy.default_delta(n) < 1 / n
     with pytest.raises(WorkbenchError, match="dataset_size"):
         privacy.default_delta(0)
+
+
+# ------------------------------------------------------------------------------------ the epsilon schedule
+
+
+def test_epsilon_schedule_gives_every_logging_step_its_own_epsilon():
+    from workbench.trainer import logging_steps
+
+    q, sigma = 256 / 1437, 1.6
+    steps = logging_steps(0, 57, 10)
+    assert steps == [10, 20, 30, 40, 50, 57]
+    schedule = privacy.EpsilonSchedule(privacy.Accountant("pld", q, sigma), DELTA, steps)
+    values = [schedule.get(s) for s in steps]  # waits for each
+    assert values == pytest.approx([direct_poisson_pld(q, sigma, s, DELTA, privacy.DEFAULT_PLD_DISCRETIZATION)
+                                    for s in steps], rel=REL)
+    assert values == sorted(values)
+    assert schedule.latest(35) == (30, values[2]) and schedule.latest(57) == (57, values[-1])
+    assert schedule.latest(5) is None
+    assert schedule.get(3) == pytest.approx(direct_poisson_pld(q, sigma, 3, DELTA, privacy.DEFAULT_PLD_DISCRETIZATION),
+                                            rel=REL)  # off the schedule: computed on demand
+    assert schedule.get(4, wait=False) is None
+    assert logging_steps(50, 57, 10) == [57] and logging_steps(20, 40, 10) == [30, 40]

@@ -171,8 +171,8 @@ def sweep_frame(parent_run_id: str, tracking_uri: str | None = None):
 
 
 def epsilon_curve(run_id: str, tracking_uri: str | None = None):
-    """A run's logged history as a DataFrame: step, epsilon, loss. Epsilon is NaN for a non-private run, and on a log
-    line whose epsilon the trainer skipped (it always logs the final step's)."""
+    """A run's logged history as a DataFrame: step, epsilon, loss. Epsilon is NaN for a non-private run (and on the log
+    lines of runs from before every line carried its epsilon)."""
     import pandas as pd
 
     client = _client(tracking_uri)
@@ -192,14 +192,13 @@ def plot_epsilon(run_id: str, tracking_uri: str | None = None):
     logs as its ``training_curves.png`` artifact)."""
     from workbench.plots import training_curves
 
-    df = epsilon_curve(run_id, tracking_uri).set_index("step")
-    # A log line may lack epsilon (the accountant is skipped when it falls behind): join the known points, as a line
-    # through them would, rather than break the curve.
-    epsilon = df["epsilon"].interpolate(method="index", limit_area="inside")
-    df = df.assign(epsilon=epsilon)[df["loss"].notna()].reset_index()
+    df = epsilon_curve(run_id, tracking_uri)
+    df = df[df["loss"].notna()]
+    delta = _client(tracking_uri).get_run(run_id).data.metrics.get("delta")
     fig = training_curves(SimpleNamespace(steps=df["step"].tolist(), loss=df["loss"].tolist(),
-                                          epsilon=df["epsilon"].tolist()))
-    fig.axes[0].set_title(f"run {run_id[:8]}: privacy spent and training loss")
+                                          epsilon=df["epsilon"].tolist(), delta=delta))
+    ax = fig.axes[0]
+    ax.set_title(f"run {run_id[:8]}: {ax.get_title()}")
     return fig
 
 
