@@ -72,3 +72,17 @@ class FlawedSynthetic(Synthetic):
         elif flaw == "float_labels":
             y = y.float()
         self.tensors = (x, y)
+
+
+class PoisonedSynthetic(Synthetic):
+    """Synthetic data whose batches turn to NaN from the `poison_from`-th batch fetch on (one fetch per training step),
+    past anything a pre-run check reads: a run that goes bad mid-training."""
+
+    def __init__(self, poison_from: int, **kwargs):
+        super().__init__(**kwargs)
+        self.poison_from, self.fetches = poison_from, 0
+
+    def __getitems__(self, indices):
+        self.fetches += list(indices) != list(range(len(indices)))  # pre-run checks read the first examples: not a step
+        x, y = super().__getitems__(indices)
+        return (x * float("nan"), y) if self.fetches >= self.poison_from else (x, y)

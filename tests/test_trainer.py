@@ -270,3 +270,29 @@ def test_step_refuses_a_batch_mean_loss_and_a_model_without_trainable_parameters
     frozen = _model().requires_grad_(False)
     with pytest.raises(WorkbenchError, match="no trainable parameters"):
         GradientStep(frozen, nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=1.0, noise_multiplier=0.0)
+
+
+@pytest.mark.parametrize("private", [True, False])
+def test_non_finite_update_stops_the_run_at_its_step_and_keeps_the_last_good_checkpoint(make_cfg, mlflow_uri, tmp_path,
+                                                                                         private):
+    from mlflow import MlflowClient
+
+    from workbench import train
+    from workbench.errors import TrainingStopped
+
+    cfg = make_cfg("experiment=quick", "data.train._target_=tests.plugins.PoisonedSynthetic", "+data.train.poison_from=5",
+                   "save_steps=2", "logging_steps=1", *([] if private else ["privacy=none"]))
+    with pytest.raises(TrainingStopped) as err:
+        train(cfg)
+    assert str(err.value).startswith("training stopped at step 5: the noised update became non-finite")
+    assert "\n" not in str(err.value)
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])
+    assert run.info.status == "FAILED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4]
+    from workbench.checkpoint import list_checkpoints
+
+    saved = [p.name for p in list_checkpoints(tmp_path / "run")]
+    assert saved == ["checkpoint-2.pt", "checkpoint-4.pt"]  # written before the bad step; none after it
+    state = torch.load(list_checkpoints(tmp_path / "run")[-1], weights_only=False)
+    assert all(torch.isfinite(t).all() for t in state["model"].values())

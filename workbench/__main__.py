@@ -18,15 +18,16 @@ import hydra
 from omegaconf import DictConfig
 
 from workbench import config
-from workbench.errors import WorkbenchError
+from workbench.errors import TrainingStopped, WorkbenchError
 
 config.register()
 _STARTED = time.time()  # files older than this are not this job's to remove
 
 
 def refuse(error: WorkbenchError) -> None:
+    """One line; exit 2 for bad input, 1 for a run that started and had to stop."""
     print("error: " + " ".join(str(error).split()), file=sys.stderr, flush=True)
-    sys.exit(2)
+    sys.exit(1 if isinstance(error, TrainingStopped) else 2)
 
 
 @hydra.main(version_base="1.3", config_path=str(config.CONF_DIR), config_name="config")
@@ -44,7 +45,9 @@ def launch_or_clean_up(cfg: DictConfig, hydra_dir: Path | None = None):
     created = _first_missing(Path(cfg.output_dir).expanduser().resolve()) if cfg.output_dir else None
     try:
         return launch(cfg)
-    except WorkbenchError:
+    except WorkbenchError as e:
+        if isinstance(e, TrainingStopped):  # a run exists: its folder (log, checkpoints) stays
+            raise
         for folder in (created, hydra_dir):
             if folder is not None and _only_bookkeeping(folder):
                 shutil.rmtree(folder, ignore_errors=True)

@@ -23,7 +23,7 @@ from torch import nn
 from workbench import clipping
 from workbench.data import step_generator
 from workbench.distributed import Dist
-from workbench.errors import WorkbenchError
+from workbench.errors import TrainingStopped, WorkbenchError
 from workbench.privacy import EpsilonSchedule
 
 log = logging.getLogger(__name__)
@@ -234,6 +234,18 @@ class Trainer:
         self.expected_batch, self.total_steps, self.start_step, self.save_fn = expected_batch, total_steps, start_step, save_fn
         self.history = History()
 
+    def _stop_if_not_finite(self, step: int) -> None:
+        """Stop on NaN/inf in what the step released: the noised update and the new parameters. Reading them is
+        post-processing (no privacy cost); the training loss, a function of the raw batch, is never consulted.
+        Every rank holds the same update and parameters, so every rank stops at the same step."""
+        update = self.step_fn.flat[:self.step_fn.numel]
+        finite = [torch.isfinite(update).all(), *(torch.isfinite(p).all() for p in self.step_fn.params)]
+        if bool(torch.stack(finite).all()):
+            return
+        what = "the noised update" if not bool(finite[0]) else "the parameters"
+        raise TrainingStopped(f"training stopped at step {step}: {what} became non-finite (NaN/inf); try a lower "
+                              "learning_rate, and check the data for NaN/inf; checkpoints of earlier steps are kept")
+
     def fit(self) -> int:
         """Train from start_step to total_steps; returns the number of steps taken in all."""
         from tqdm import tqdm
@@ -257,6 +269,7 @@ class Trainer:
                 if self.accountant is not None:
                     self.accountant.step()
                 step += 1
+                self._stop_if_not_finite(step)
                 window_loss, window_count = window_loss + loss_sum, window_count + count
                 bar.update(1)
                 if step % cfg.logging_steps == 0 or step == self.total_steps:  # as logging_steps() lists them
