@@ -247,8 +247,10 @@ def _check_ranges(cfg: DictConfig) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise WorkbenchError(f"{name} must be a number, got {value!r}")
-        if not math.isfinite(value) or not allowed.holds(value):
+        if not math.isfinite(value):
             raise WorkbenchError(f"{name} must be a finite number {allowed.describe()}, got {value}")
+        if not allowed.holds(value):
+            raise WorkbenchError(f"{name} must be {allowed.describe()}, got {value}")
 
 
 def validate(cfg: DictConfig) -> None:

@@ -44,6 +44,20 @@ class TrainResult:
     history: History = field(repr=False)
 
 
+def closing_line(metrics: dict[str, float], epsilon: float | None, delta: float | None, steps: int,
+                 run_id: str | None, uri: str | None, job_id: str | None = None) -> str:
+    """The one line every launcher (inline, local, SLURM) ends a job with."""
+    parts = [f"{k}={v:.4f}" for k, v in metrics.items()]
+    if epsilon is not None:
+        parts.append(f"epsilon={epsilon:.3f} at delta={delta:.1e}")
+    parts.append(f"steps={steps}")
+    if job_id is not None:
+        parts.append(f"job_id={job_id}")
+    if run_id:
+        parts.append(f"run_id={run_id} | {ui_command(uri)}")
+    return "done: " + " ".join(parts)
+
+
 def _instantiate(node: Any, what: str, **kwargs) -> Any:
     try:
         return instantiate(node, **kwargs)
@@ -81,13 +95,15 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None) -> TrainResu
         tracker = make_tracker(cfg, d.is_main)
         tags = {"backend": d.backend, "ddp_shard": cfg.ddp_shard, "world_size": d.world_size, "git_sha": git_sha(),
                 "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags}
-        tracker.start(tags, run_id=job["resume_run_id"] or cfg.tracking.run_id, sweep_dir=cfg.tracking.sweep_dir)
+        tracker.start({**tags, "status": "running"}, run_id=job["resume_run_id"] or cfg.tracking.run_id,
+                      sweep_dir=cfg.tracking.sweep_dir)
         run_id = d.broadcast_object(tracker.run_id)
         result = _fit(cfg, d, job, tracker, run_id, output_dir)
         d.barrier()  # ranks leave together: one tearing its gloo connections down under a busy peer can abort
         return result
     except BaseException as e:
         if tracker is not None:
+            tracker.set_tags({"error": (" ".join(f"{type(e).__name__}: {e}".split()))[:500]})
             tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
     finally:
@@ -243,13 +259,7 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
     tracker.finish("FINISHED")
     uri = tracker.uri if run_id else None
     if d.is_main:
-        parts = [f"{k}={v:.4f}" for k, v in metrics.items()]
-        if epsilon is not None:
-            parts.append(f"epsilon={epsilon:.3f} at delta={delta:.1e}")
-        parts.append(f"steps={steps}")
-        if run_id:
-            parts.append(f"run_id={run_id} | {ui_command(uri)}")
-        print("done: " + " ".join(parts), flush=True)
+        print(closing_line(metrics, epsilon, delta, steps, run_id, uri), flush=True)
     return TrainResult(metrics=metrics, epsilon=epsilon, delta=delta, noise_multiplier=job["sigma"] if accountant else None,
                        sample_rate=job["shard"].sample_rate, steps=steps, run_id=run_id, tracking_uri=uri,
                        output_dir=output_dir, checkpoint=last_saved[0], model=model, history=trainer.history)

@@ -205,7 +205,8 @@ class MlflowTracker(NullTracker):
             _retry(lambda k=k, v=v: self.client.set_tag(self.run_id, k, str(v)))
 
     def finish(self, status: str = "FINISHED") -> None:
-        if self.run_id is not None:
+        if self.run_id is not None:  # the tag too: a launcher's run was tagged status=submitted at submission
+            _retry(lambda: self.client.set_tag(self.run_id, "status", status.lower()))
             _retry(lambda: self.client.set_terminated(self.run_id, status=status))
 
     def finish_if_running(self, status: str) -> None:
