@@ -215,8 +215,8 @@ def test_torchrun_end_to_end(tmp_path, shard):
     # It learned (chance is 0.1): only 15 noisy steps at epsilon 3, so with a fresh secret each run the accuracy
     # varies, measured 0.78-0.89 over 12 runs for shard=global; 0.6 leaves room without hiding a broken step.
     assert m["eval_accuracy"] > 0.6
-    if shard == "per_rank":
-        assert "drops 1 of 1437 training examples" in proc.stderr
+    if shard == "per_rank":  # every rank drops the tail alike: the warning is printed once per job
+        assert proc.stderr.count("drops 1 of 1437 training examples") == 1
     outputs = list((tmp_path / "outputs").glob("*/*"))
     assert len(outputs) == 1  # one run folder for the job, not one per rank
 

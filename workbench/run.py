@@ -76,9 +76,12 @@ def _compute_metrics(name: str | None) -> Callable | None:
 
 
 def _quiet_unless(should_log: bool) -> None:
+    """Ranks that do not log (all but rank 0, or each node's local rank 0 with log_on_each_node) stay quiet: a
+    warning every rank hits alike is printed once per job (once per node), not once per rank."""
     if not should_log:
         logging.getLogger().setLevel(logging.WARNING)
         logging.getLogger("workbench").setLevel(logging.WARNING)
+        warnings.simplefilter("ignore")
 
 
 def train(cfg: DictConfig, compute_metrics: Callable | None = None) -> TrainResult:
