@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build (see shared/ENVIRONMENT.md)
+	# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build on a machine without a GPU
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
