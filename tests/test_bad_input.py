@@ -172,3 +172,17 @@ def test_cli_refuses_in_one_line_with_exit_2_and_leaves_nothing(tmp_path, args, 
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr[-2000:]
     _assert_nothing_left(tmp_path)
+
+
+def test_a_refusal_never_removes_the_working_dir_or_a_folder_that_existed(tmp_path, monkeypatch):
+    """Ranks > 0 under torchrun run with hydra.run.dir=. (the working dir as Hydra's folder); an output_dir given by
+    the user may exist already, empty: a refusal removes neither."""
+    from workbench.__main__ import check_args, launch_or_clean_up
+    from workbench.errors import WorkbenchError
+
+    existing = tmp_path / "mine"
+    existing.mkdir()
+    (cfg,) = check_args([f"output_dir={existing}", "experiment=quick", "data.train.in_features=32"])
+    with pytest.raises(WorkbenchError):
+        launch_or_clean_up(cfg, hydra_dir=tmp_path)
+    assert tmp_path.is_dir() and existing.is_dir()

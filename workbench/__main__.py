@@ -48,8 +48,9 @@ def launch_or_clean_up(cfg: DictConfig, hydra_dir: Path | None = None):
     except WorkbenchError as e:
         if isinstance(e, TrainingStopped):  # a run exists: its folder (log, checkpoints) stays
             raise
-        for folder in (created, hydra_dir):
-            if folder is not None and _only_bookkeeping(folder):
+        cwd = Path.cwd().resolve()
+        for folder in (created, hydra_dir):  # never the working dir or above it (hydra.run.dir=. on ranks > 0)
+            if folder is not None and folder.resolve() not in (cwd, *cwd.parents) and _only_bookkeeping(folder):
                 shutil.rmtree(folder, ignore_errors=True)
                 _prune_empty_parents(folder)
         raise
