@@ -104,6 +104,7 @@ KINDS = [
     (["tracking.run_name=${no_such_key}"], "tracking.run_name: cannot resolve"),
     (["-m", "seed=1,-1"], "seed must be in [0, 4294967295], got -1"),
     (["-m", "privacy.target_epsilon=1,nan", "seed=0,1"], "privacy.target_epsilon must be a finite number > 0, got nan"),
+    (["--cfg", "job", "foo=1"], "unknown key 'foo'"),
     # Found by the job's pre-run checks (data, model, criterion, privacy), before its MLflow run.
     (["data.train.in_features=32"], "data.train (workbench.data.Synthetic): example 0 does not fit the model"),
     (["data.eval.in_features=32"], "data.eval (workbench.data.Synthetic): example 0 does not fit the model"),

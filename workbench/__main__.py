@@ -110,8 +110,14 @@ def check_args(argv: Sequence[str]) -> list[DictConfig]:
     from workbench.api import _one_line, compose
 
     multirun = any(a in ("-m", "--multirun") for a in argv)
+    argv = list(argv)
+    for i, a in reversed(list(enumerate(argv))):  # printing the config (--cfg job) checks the overrides too
+        if a in ("--cfg", "-c", "--package", "-p") and i + 1 < len(argv):
+            del argv[i:i + 2]
+        elif a == "--resolve":
+            del argv[i]
     if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
-        return []
+        return []  # --help, --info, another config (-cn, -cp, -cd): Hydra's own business
     overrides = [a for a in argv if not a.startswith(("-", "hydra.", "+hydra.", "++hydra.", "~hydra."))]
     points = [overrides]
     if multirun:
