@@ -22,7 +22,8 @@ from workbench.audit import AuditResult
 from workbench.canaries import CanaryAudit
 from workbench.errors import WorkbenchError
 from workbench.tracking import git_sha, make_tracker, ui_command
-from workbench.trainer import Evaluator, GradientStep, History, Trainer, check_model, lr_lambda
+from workbench.clipping import check_model
+from workbench.trainer import Evaluator, GradientStep, History, Trainer, lr_lambda
 
 log = logging.getLogger("workbench")
 
