@@ -137,11 +137,9 @@ def test_canaries_take_the_trainers_own_path_and_touch_only_their_coordinate(mod
     torch.testing.assert_close(module.canaries.weight.grad.reshape(-1), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_shape_and_tag_checks():
+def test_examples_must_be_tensor_pairs():
     from workbench.errors import WorkbenchError
 
-    with pytest.raises(WorkbenchError, match="canaries must be >= 1"):
-        CanaryAudit(0, _set(), 0.05)
     with pytest.raises(WorkbenchError, match=r"\(x, y\) examples"):
         CanaryAudit(10, [{"x": torch.zeros(2)}], 0.05)
     assert len(CanaryAudit(10, _set(), 0.05).dataset) == 12 + 10
@@ -292,3 +290,15 @@ def test_two_ranks_in_both_shard_modes(tmp_path, shard):
     assert leaky.epsilon_lower_bound > 3, leaky
     assert epsilon == pytest.approx(1.0, abs=0.01)
     assert eps1.epsilon_lower_bound < 1 and eps1.p_value_of_reported > 0.05, eps1
+
+
+@pytest.mark.slow
+def test_cli_prints_the_bound_and_refuses_bad_audit_settings(tmp_path):
+    from tests.conftest import run_cli
+
+    bad = run_cli("audit=canaries", "audit.canaries=0", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: audit.canaries must be >= 1")
+    ok = run_cli("experiment=quick", "audit.canaries=100", "tracking.enabled=false", "disable_tqdm=true",
+                 f"output_dir={tmp_path / 'run'}", cwd=tmp_path, module=("-m", "workbench.audit"))
+    assert ok.returncode == 0, ok.stderr
+    assert "audit: epsilon >= " in ok.stdout and "100 canaries" in ok.stdout

@@ -130,10 +130,6 @@ class CanaryAudit:
     """Everything ``audit=canaries`` adds to a run, in the order run.py uses it."""
 
     def __init__(self, m: int, train_set: Dataset, significance: float):
-        if m < 1:
-            raise WorkbenchError(f"audit.canaries must be >= 1, got {m}")
-        if not 0 < significance < 1:
-            raise WorkbenchError(f"audit.significance must be in (0, 1), got {significance}")
         self.m, self.significance = m, significance
         self.dataset = CanaryDataset(train_set, m)
         self.members: np.ndarray | None = None

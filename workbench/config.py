@@ -196,6 +196,9 @@ def validate(cfg: DictConfig) -> None:
         raise WorkbenchError(f"privacy.target_delta must be in (0, 1), got {p.target_delta}")
     if p.accountant not in ("pld", "rdp", "prv"):
         raise WorkbenchError(f"privacy.accountant={p.accountant!r} is unknown; choose one of pld, rdp, prv")
+    if cfg.audit.canaries < 1 or not 0 < cfg.audit.significance < 1:
+        raise WorkbenchError(f"audit.canaries must be >= 1 and audit.significance in (0, 1), got "
+                             f"{cfg.audit.canaries} and {cfg.audit.significance}")
     if cfg.launcher.nprocs is not None and cfg.launcher.nprocs < 1:
         raise WorkbenchError(f"launcher.nprocs must be >= 1, got {cfg.launcher.nprocs}")
     if cfg.launcher.name not in ("inline", "local", "slurm"):
