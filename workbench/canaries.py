@@ -11,6 +11,8 @@
   trainer's stabiliser); a blank's is 0.
 - **Observers.** White-box: every released update's coordinate j, in units of C / B, is K_t + sigma Z_t; scored by
   :func:`workbench.audit.white_box_llr`. Final model: how far w_j moved against its gradient, ``-w_j``.
+- **Shards.** Slots sit after the N examples; ``shard=per_rank`` drops the population's tail beyond a multiple of W,
+  so up to W - 1 slots may never be sampled: the bound stays valid, those canaries only carry no signal.
 - **What is kept.** The user's model never holds the block; checkpoints hold the user's model only, and the optimizer
   state for the block is left out (:meth:`CanaryAudit.without_canaries`).
 
@@ -88,7 +90,8 @@ class AuditedModel(nn.Module):
         self.model, self.m, self.example_shape = model, m, tuple(example_shape)
         self.canaries = nn.Linear(m, 1, bias=False)
         nn.init.zeros_(self.canaries.weight)
-        self.canaries.to(next(model.parameters()).device)
+        first = next(p for p in model.parameters() if p.requires_grad)
+        self.canaries.to(device=first.device, dtype=first.dtype)  # one flat gradient buffer needs one dtype
         self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # (is_slot, canary term) for AuditedCriterion
 
     def forward(self, tagged: torch.Tensor) -> torch.Tensor:
