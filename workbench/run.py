@@ -191,7 +191,7 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
     step_fn.noise_seed = data.stream_seed(secret, cfg.seed)  # known only now: a resumed run takes the checkpoint's
     sampler = data.PoissonBatchSampler(shard, total_steps, data.stream_seed(secret, cfg.data_seed if cfg.data_seed is not None
                                                                             else cfg.seed), d.rank, start_step)
-    named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+    named = [(name, prm) for name, prm in model.named_parameters() if prm.requires_grad]
     if canaries:
         user_callbacks.append(canaries.start(secret, cfg.seed, p.max_grad_norm, expected_batch, sigma, shard.sample_rate,
                                              d.world_size, cfg.ddp_shard))
