@@ -90,6 +90,8 @@ KINDS = [
     (["launcher.mem_gb=nan"], "launcher.mem_gb must be a finite number > 0"),
     (["launcher.timeout_min=0"], "launcher.timeout_min must be >= 1"),
     (["launcher.max_num_timeout=-1"], "launcher.max_num_timeout must be >= 0"),
+    (["audit.canaries=0"], "audit.canaries must be >= 1"),
+    (["audit.significance=1"], "audit.significance must be in (0, 1)"),
     # Names, refused knobs, cross-field rules, interpolations.
     (["lr_scheduler_type=exotic"], "lr_scheduler_type='exotic' is unknown"),
     (["ddp_shard=diagonal"], "ddp_shard='diagonal' is unknown"),

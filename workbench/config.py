@@ -38,7 +38,7 @@ REFUSED_KNOBS = ("split_batches", "dispatch_batches", "even_batches", "use_seeda
 PRIVACY_FIELDS = (
     "per_device_train_batch_size", "max_steps", "num_train_epochs", "seed", "data_seed", "ddp_shard",
     "privacy.enabled", "privacy.accountant", "privacy.target_epsilon", "privacy.target_delta",
-    "privacy.noise_multiplier", "privacy.max_grad_norm", "privacy.secure_seed", "data",
+    "privacy.noise_multiplier", "privacy.max_grad_norm", "privacy.secure_seed", "data", "audit",
 )
 
 
@@ -56,6 +56,13 @@ class PrivacyConfig:
     # Set it only to reproduce a run bit for bit: whoever knows it can strip the noise and see the batches, so the
     # reported epsilon does not hold against them. MLflow shows it redacted.
     secure_seed: Optional[int] = None
+
+
+@dataclass
+class AuditConfig:
+    enabled: bool = False  # audit=canaries: the one-run privacy audit (workbench/audit.py)
+    canaries: int = 1000
+    significance: float = 0.05
 
 
 @dataclass
@@ -103,6 +110,8 @@ class WorkbenchConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
+    callbacks: List[Any] = field(default_factory=list)  # Hydra `_target_` objects (workbench/callbacks.py)
 
     # Hugging Face TrainingArguments names.
     output_dir: Optional[str] = None  # None: Hydra's run dir from the CLI, else ./outputs/<timestamp>
@@ -187,6 +196,7 @@ RANGES = {
     "privacy.target_epsilon": Range(0, low_open=True), "privacy.target_delta": Range(0, 1, low_open=True, high_open=True),
     "privacy.noise_multiplier": Range(0), "privacy.max_grad_norm": Range(0, low_open=True),
     "privacy.secure_seed": Range(0, 2**63 - 1),
+    "audit.canaries": Range(1), "audit.significance": Range(0, 1, low_open=True, high_open=True),
     "launcher.nprocs": Range(1), "launcher.nodes": Range(1), "launcher.gpus_per_node": Range(0),
     "launcher.tasks_per_node": Range(1), "launcher.cpus_per_task": Range(1), "launcher.mem_gb": Range(0, low_open=True),
     "launcher.timeout_min": Range(1), "launcher.max_num_timeout": Range(0),

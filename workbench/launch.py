@@ -87,7 +87,7 @@ class Job:
         result = train(OmegaConf.create(self.cfg_yaml))
         atexit.register(_exit_if_reported, env.paths.result_pickle)
         return {"rank": env.global_rank, "metrics": result.metrics, "epsilon": result.epsilon, "delta": result.delta,
-                "steps": result.steps, "run_id": result.run_id, "tracking_uri": result.tracking_uri,
+                "steps": result.steps, "run_id": result.run_id, "tracking_uri": result.tracking_uri, "audit": result.audit,
                 "output_dir": str(result.output_dir)}
 
     def checkpoint(self, *args, **kwargs):
@@ -169,6 +169,6 @@ def submit(cfg: DictConfig) -> Any:
         raise WorkbenchError(message) from None
     main = next(r for r in results if r["rank"] == 0)
     print(closing_line(main["metrics"], main["epsilon"], main["delta"], main["steps"], main["run_id"],
-                       main["tracking_uri"], job_id=job.job_id), flush=True)
+                       main["tracking_uri"], job_id=job.job_id, audit=main["audit"]), flush=True)
     return main
 
