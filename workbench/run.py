@@ -122,7 +122,7 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: l
 def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None, extra_callbacks: list) -> dict[str, Any]:
     """Everything that can be refused is built here, before an MLflow run exists."""
     torch.manual_seed(cfg.seed)
-    train_set = _instantiate(cfg.data.train, "data.train")
+    train_set = user_train_set = _instantiate(cfg.data.train, "data.train")
     canaries = None
     if cfg.audit.enabled:  # the canary slots join the population: N and q count them whatever their membership
         if cfg.resume_from_checkpoint:
@@ -156,7 +156,7 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
     criterion = _instantiate(cfg.criterion, "criterion", reduction="none")
     make_optimizer = _instantiate(cfg.optimizer, "optimizer")  # refused here, before the seconds of noise calibration
     metrics_fn = compute_metrics or _compute_metrics(cfg.compute_metrics)
-    for split, dataset in (("train", train_set), ("eval", eval_set)):
+    for split, dataset in (("train", user_train_set), ("eval", eval_set)):  # the user's data, before any canaries
         if dataset is not None:
             data_checks.check_fit(dataset, f"data.{split} ({cfg.data[split].get('_target_', 'no _target_')})", model,
                                   criterion, d.device)
