@@ -78,23 +78,27 @@ def train_local(cfg_or_overrides: DictConfig | Sequence[str] = (), nprocs: int =
 def sweep(points: Sequence[Sequence[str]] = DEFAULT_SWEEP, overrides: Sequence[str] = (),
           sweep_dir: str | Path | None = None) -> str | None:
     """Train each point (a list of overrides, after the common `overrides`) in this process, one after the other, as
-    child runs of one MLflow parent run, like ``python -m workbench -m ...`` does. Run folders go under `sweep_dir`
-    (default ``multirun/<date>/<time>``). Returns the parent run id (None with tracking off)."""
-    from mlflow import MlflowClient
-
-    from workbench import compose, train
+    child runs of one MLflow parent run, like ``python -m workbench -m ...`` does: the parent is made first and
+    summarised at the end (table, frontier, best point, ``sweep_epsilon_all``; see workbench/sweep.py). With
+    ``sweep.tuning=random_stopping`` in `overrides`, each point is trained as many times as the random draw says.
+    Run folders go under `sweep_dir` (default ``multirun/<date>/<time>``). Returns the parent run id (None with
+    tracking off)."""
+    from workbench import compose, sweep as sweeps, train
 
     root = Path(sweep_dir or Path("multirun") / time.strftime("%Y-%m-%d/%H-%M-%S")).resolve()
-    parent = None
-    for i, point in enumerate(points):
-        cfg = compose([*overrides, *point, f"output_dir='{root / str(i)}'"])
-        with open_dict(cfg):
-            cfg.tracking.sweep_dir = str(root)
-            cfg.tracking.tags.setdefault("overrides", " ".join(point))
-        result = train(cfg)
-        if parent is None and result.run_id is not None:
-            parent = MlflowClient(result.tracking_uri).get_run(result.run_id).data.tags.get(PARENT_TAG)
-    return parent
+    state = sweeps.start(compose(list(overrides)), root, n_points=len(points))
+    try:
+        for i, point in enumerate(points):
+            for trial in range(sweeps.trials_for_point(root, i)):
+                folder = root / str(i) if trial == 0 else root / f"{i}-trial-{trial}"
+                cfg = compose([*overrides, *point, f"output_dir='{folder}'"])
+                with open_dict(cfg):
+                    cfg.tracking.sweep_dir = str(root)
+                    cfg.tracking.tags.setdefault("overrides", " ".join(point))
+                train(cfg)
+    finally:
+        sweeps.finish(root)
+    return state["parent_run_id"]
 
 
 # ------------------------------------------------------------------------------------------------------ reading runs
