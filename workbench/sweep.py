@@ -120,7 +120,9 @@ def random_stopping_epsilon(runs: Sequence[tuple[privacy.Accountant, int]], delt
         total = rdp + hat.min() + log_mean / (orders - 1)
     elif trials == "poisson":
         eps_hat = np.log1p(1 / (orders - 1))
-        delta_hat = np.max([np.asarray(acc.pld(steps).get_delta_for_epsilon(eps_hat)) for acc, steps in runs], axis=0)
+        order = np.argsort(eps_hat)  # dp_accounting wants ascending epsilons
+        delta_hat = np.empty_like(eps_hat)
+        delta_hat[order] = np.max([acc.pld(steps).get_delta_for_epsilon(eps_hat[order]) for acc, steps in runs], axis=0)
         total = rdp + poisson_mean * delta_hat + math.log(poisson_mean) / (orders - 1)
     else:
         raise WorkbenchError(f"sweep.trials={trials!r} is unknown; choose one of {', '.join(TRIALS)}")
