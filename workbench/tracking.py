@@ -84,6 +84,7 @@ def init_store(uri: str) -> None:
         return
     import fcntl
 
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401 - seconds of imports, paid outside the lock
     from mlflow import MlflowClient
 
     path = Path(uri[len("sqlite:///"):])
