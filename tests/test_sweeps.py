@@ -112,7 +112,9 @@ def _point(tmp, index, barrier):
 
 @pytest.mark.slow
 def test_points_starting_at_once_on_a_fresh_store_share_one_parent(tmp_path):
-    ctx = mp.get_context("spawn")
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401 - imported once, here: forked points start at once
+
+    ctx = mp.get_context("fork")
     barrier = ctx.Barrier(POINTS + 1, timeout=300)
     procs = [ctx.Process(target=_point, args=(tmp_path, i, barrier)) for i in range(POINTS)]
     for p in procs:
