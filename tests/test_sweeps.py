@@ -242,6 +242,26 @@ def test_random_stopping_sweep_trains_the_drawn_trials_and_reports_the_bound(tmp
     runs = [(Accountant("pld", c.data.metrics["sample_rate"], c.data.metrics["noise_multiplier"]), 20) for c in children]
     assert m["sweep_epsilon_best"] == pytest.approx(sweep.random_stopping_epsilon(
         runs, m["sweep_delta"], "truncated_negative_binomial", eta=1, gamma=0.5))
+    assert "never drawn" not in parents[0].data.tags.get("sweep_notes", "")  # learning rates: one mechanism
+
+
+def test_random_stopping_warns_when_an_undrawn_point_could_cost_more(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = ["experiment=quick", "disable_tqdm=true", f"tracking.uri={uri}", "sweep.tuning=random_stopping",
+              "sweep.trials=poisson", "sweep.poisson_mean=1"]
+    points = [["privacy.target_epsilon=1"], ["privacy.target_epsilon=8"]]
+    seed = next(i for i in range(100) if _draws(common, points, i, tmp_path) == [1, 0])  # only epsilon 1 is trained
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        explore.sweep(points, [*common, f"sweep.seed={seed}"], sweep_dir=tmp_path / "sweep")
+    assert any("1 point(s) were never drawn" in str(w.message) and "privacy.target_epsilon" in str(w.message)
+               for w in caught)
+
+
+def _draws(common, points, seed, tmp_path):
+    cfg = compose([*common, f"sweep.seed={seed}", "tracking.enabled=false"])
+    return sweep.start(cfg, tmp_path / f"draw{seed}", points)["trials"]
 
 
 def test_points_on_different_data_warn_that_the_bound_does_not_apply(tmp_path, monkeypatch):

@@ -87,7 +87,7 @@ def sweep(points: Sequence[Sequence[str]] = DEFAULT_SWEEP, overrides: Sequence[s
     from workbench import compose, sweep as sweeps, train
 
     root = Path(sweep_dir or Path("multirun") / time.strftime("%Y-%m-%d/%H-%M-%S")).resolve()
-    state = sweeps.start(compose(list(overrides)), root, n_points=len(points))
+    state = sweeps.start(compose(list(overrides)), root, points=points)
     try:
         for i, point in enumerate(points):
             for trial in range(sweeps.trials_for_point(root, i)):

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from workbench import privacy
 from workbench.errors import WorkbenchError
@@ -112,7 +112,15 @@ def random_stopping_epsilon(runs: Sequence[tuple[privacy.Accountant, int]], delt
     then the RDP-to-(epsilon, delta) conversion of dp_accounting.rdp.compute_epsilon, minimised over lambda.
     """
     orders = np.asarray(orders, dtype=float)
-    rdp = np.max([acc.rdp(steps, orders) for acc, steps in runs], axis=0)
+    # Points that share a mechanism (a learning-rate sweep) need one computation.
+    runs = list({(a.sample_rate, a.noise_multiplier, a.world_size, a.shard, steps): (a, steps) for a, steps in runs}.values())
+    absl = logging.getLogger("absl")  # dp_accounting drops orders whose series does not converge, one line each
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        rdp = np.max([acc.rdp(steps, orders) for acc, steps in runs], axis=0)
+    finally:
+        absl.setLevel(level)
     if trials == "truncated_negative_binomial":
         hat = np.concatenate([[(1 + eta) * math.log(1 / gamma)],
                               (1 + eta) * (1 - 1 / orders) * rdp + (1 + eta) * math.log(1 / gamma) / orders])
@@ -161,18 +169,19 @@ def read_state(sweep_dir: str | Path) -> dict | None:
         return None
 
 
-def start(cfg: DictConfig, sweep_dir: str | Path, n_points: int | None = None) -> dict:
+def start(cfg: DictConfig, sweep_dir: str | Path, points: Sequence[Sequence[str]] = ()) -> dict:
     """Make the sweep's parent run (initialising the store first) and write it to the sweep folder. With
-    random stopping, also draw how many times each of the `n_points` points is trained (``trials``)."""
+    random stopping, also draw how many times each of the `points` (their overrides) is trained (``trials``)."""
     s = cfg.sweep
     check(s)
     sweep_dir = Path(sweep_dir).resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
     state: dict[str, Any] = {"sweep": OmegaConf.to_container(s, resolve=True), "parent_run_id": None}
-    if s.tuning == "random_stopping" and n_points:
+    if s.tuning == "random_stopping" and points:
         rng = random.Random(s.seed) if s.seed is not None else random.SystemRandom()
-        picks = [rng.randrange(n_points) for _ in range(draw_trials(s, rng))]
-        state["trials"] = [picks.count(i) for i in range(n_points)]
+        picks = [rng.randrange(len(points)) for _ in range(draw_trials(s, rng))]
+        state["trials"] = [picks.count(i) for i in range(len(points))]
+        state["varies"] = _varied_keys(points)
     if cfg.tracking.enabled:
         tracker = MlflowTracker(cfg)
         experiment_id = tracker._experiment_id()  # pylint: disable=protected-access
@@ -213,8 +222,9 @@ def point_configs(cfg: DictConfig):
               flush=True)
     for i in range(count):
         trial = cfg.copy()
-        trial.output_dir = str(Path(hc.runtime.output_dir) / f"trial-{i}")
-        trial.tracking.tags["trial"] = str(i)
+        with open_dict(trial):
+            trial.output_dir = str(Path(hc.runtime.output_dir) / f"trial-{i}")
+            trial.tracking.tags["trial"] = str(i)
         yield trial
 
 
@@ -290,7 +300,7 @@ class SweepCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
-        start(config, self.sweep_dir, n_points=_grid_size(config))
+        start(config, self.sweep_dir, points=_grid(config))
         atexit.register(self._end)  # a point that fails the sweep (sys.exit, exception) still gets its summary
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -306,20 +316,37 @@ class SweepCallback(Callback):
                 log.warning("could not summarise the sweep in %s: %s", sweep_dir, e)
 
 
-def _grid_size(config: DictConfig) -> int:
-    """How many jobs Hydra's basic sweeper makes of the command line's overrides."""
+def _grid(config: DictConfig) -> list[list[str]]:
+    """The jobs (their overrides, in job-number order) Hydra's basic sweeper makes of the command line."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     overrides = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
-    return sum(len(batch) for batch in BasicSweeper.split_arguments(overrides, None))
+    return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+
+
+def _varied_keys(points: Sequence[Sequence[str]]) -> list[str]:
+    """The override keys whose value differs between points."""
+    parsed = [dict(o.lstrip("+~").partition("=")[::2] for o in point) for point in points]
+    return sorted(k for k in set().union(*parsed) if len({p.get(k) for p in parsed}) > 1)
+
+
+def _changes_the_mechanism(key: str) -> bool:
+    """Whether an override can change a run's DP event (noise, rate, steps, world size, data)."""
+    from workbench.config import PRIVACY_FIELDS
+
+    if key in ("seed", "data_seed", "privacy.secure_seed"):  # other streams, the same mechanism
+        return False
+    return key in ("experiment", "shard", "launcher") or key.startswith("launcher.") or any(
+        key == f or f.startswith(key + ".") or key.startswith(f + ".") for f in PRIVACY_FIELDS)
 
 
 # ------------------------------------------------------------------------------------------------------ summary
 
 
-def _cost(runs, s: dict) -> tuple[dict[str, float], list[str]]:
+def _cost(runs, state: dict) -> tuple[dict[str, float], list[str]]:
     """sweep_epsilon_all (and _best) from the children's recorded DP events, and the warnings that go with them."""
+    s = state["sweep"]
     notes, events, data = [], [], set()
     for _, row in runs.iterrows():
         event = row.get(f"tags.{DP_EVENT_TAG}")
@@ -345,12 +372,27 @@ def _cost(runs, s: dict) -> tuple[dict[str, float], list[str]]:
     pairs = [(a, n) for a, n, _ in events]
     cost = {"sweep_delta": delta, "sweep_epsilon_all": composed_epsilon(pairs, delta)}
     if s["tuning"] == "random_stopping":
+        untried = [i for i, n in enumerate(state.get("trials") or []) if n == 0]
+        varied = [k for k in state.get("varies", []) if _changes_the_mechanism(k)]
+        if untried and varied:
+            notes.append(f"random stopping: {len(untried)} point(s) were never drawn and the points differ in "
+                         f"{', '.join(varied)}: sweep_epsilon_best uses the worst mechanism among the trained points, "
+                         "while the theorem needs the worst of all points (one never drawn, with less noise or more "
+                         "steps, would raise it)")
         try:
             cost["sweep_epsilon_best"] = random_stopping_epsilon(pairs, delta, s["trials"], s["poisson_mean"],
                                                                  s["tnb_eta"], s["tnb_gamma"])
         except WorkbenchError as e:
             notes.append(f"no random-stopping bound: {e}")
     return cost, notes
+
+
+def _distinct(runs, row) -> str:
+    """A point's overrides without those every point shares: what picks it out of the sweep."""
+    if "tags.overrides" not in runs or not isinstance(row.get("tags.overrides"), str):
+        return row["run_id"]
+    shared = set.intersection(*(set(str(o).split()) for o in runs["tags.overrides"]))
+    return " ".join(o for o in row["tags.overrides"].split() if o not in shared) or row["tags.overrides"]
 
 
 def summarise(tracker: MlflowTracker, state: dict) -> dict:
@@ -378,8 +420,8 @@ def summarise(tracker: MlflowTracker, state: dict) -> dict:
         summary[f"best_{metric}"] = float(row[metric])
         tags[f"best_{metric}_run_id"] = row["run_id"]
         tags[f"best_{metric}_overrides"] = row.get("tags.overrides", "")
-        best_parts.append(f"best {metric}={row[metric]:.4f} ({row.get('tags.overrides', row['run_id'])})")
-    cost, notes = _cost(runs[runs["status"].isin(TERMINAL)], s)
+        best_parts.append(f"best {metric}={row[metric]:.4f} ({_distinct(runs, row)})")
+    cost, notes = _cost(runs[runs["status"].isin(TERMINAL)], state)
     summary.update(cost)
     for note in notes:
         warnings.warn(f"sweep: {note}", stacklevel=1)
@@ -399,11 +441,8 @@ def summarise(tracker: MlflowTracker, state: dict) -> dict:
     parts = [f"sweep done: {summary['points']} points ({summary['points_finished']} FINISHED, "
              f"{summary['points_failed']} FAILED)", *best_parts]
     if "sweep_epsilon_all" in cost:
-        parts.append(f"sweep_epsilon_all={cost['sweep_epsilon_all']:.3f}")
-    if "sweep_epsilon_best" in cost:
-        parts.append(f"sweep_epsilon_best={cost['sweep_epsilon_best']:.3f}")
-    if "sweep_delta" in cost:
-        parts[-1] += f" at delta={cost['sweep_delta']:.1e}"
+        parts.append(", ".join(f"{k}={cost[k]:.3f}" for k in ("sweep_epsilon_all", "sweep_epsilon_best") if k in cost)
+                     + f" at delta={cost['sweep_delta']:.1e}")
     parts.append(f"parent run_id={tracker.run_id} | {ui_command(tracker.uri or tracking_uri(None))}")
     print(" | ".join(parts), flush=True)
     return {**summary, "table": table, "notes": notes, **{f"tag:{k}": v for k, v in tags.items()}}
