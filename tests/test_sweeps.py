@@ -90,6 +90,18 @@ def test_failed_point_is_counted_and_the_sweep_still_summarised(tmp_path):
     assert m["sweep_epsilon_all"] == pytest.approx(planned.get_epsilon(m["sweep_delta"]), rel=0.01)
 
 
+@pytest.mark.slow
+def test_local_launcher_sweep_on_a_fresh_store(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = run_cli("-m", "launcher=local", "launcher.nprocs=1", "experiment=quick", "seed=0,1", "disable_tqdm=true",
+                   cwd=tmp_path, env={"MLFLOW_TRACKING_URI": uri})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    _, parents, children = _sweep_runs(uri)
+    assert len(parents) == 1 and sorted(c.info.status for c in children) == ["FINISHED", "FINISHED"]
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
+    assert parents[0].data.metrics["points_finished"] == 2 and "sweep_epsilon_all" in parents[0].data.metrics
+
+
 ROUNDS, POINTS = 5, 8
 
 
