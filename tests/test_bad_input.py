@@ -92,6 +92,8 @@ KINDS = [
     (["launcher.max_num_timeout=-1"], "launcher.max_num_timeout must be >= 0"),
     (["audit.canaries=0"], "audit.canaries must be >= 1"),
     (["audit.significance=1"], "audit.significance must be in (0, 1)"),
+    (["sweep.poisson_mean=inf"], "sweep.poisson_mean must be a finite number > 0, got inf"),
+    (["sweep.tnb_gamma=1"], "sweep.tnb_gamma must be in (0, 1)"),
     # Names, refused knobs, cross-field rules, interpolations.
     (["lr_scheduler_type=exotic"], "lr_scheduler_type='exotic' is unknown"),
     (["ddp_shard=diagonal"], "ddp_shard='diagonal' is unknown"),

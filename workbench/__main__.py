@@ -39,12 +39,15 @@ def main(cfg: DictConfig) -> None:
 
 
 def launch_or_clean_up(cfg: DictConfig, hydra_dir: Path | None = None):
-    """launch(cfg); on a refusal, remove the folders this job created that hold nothing but Hydra's own files."""
+    """launch() each config of this Hydra job; on a refusal, remove the folders this job created that hold nothing but
+    Hydra's own files."""
     from workbench.launch import launch
+    from workbench.sweep import point_configs
 
     created = _first_missing(Path(cfg.output_dir).expanduser().resolve()) if cfg.output_dir else None
     try:
-        return launch(cfg)
+        # One config; under sweep.tuning=random_stopping, the trials drawn for this point (maybe none).
+        return [launch(job_cfg) for job_cfg in point_configs(cfg)]
     except WorkbenchError as e:
         if isinstance(e, TrainingStopped):  # a run exists: its folder (log, checkpoints) stays
             raise

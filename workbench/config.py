@@ -79,6 +79,22 @@ class TrackingConfig:
 
 
 @dataclass
+class SweepConfig:
+    """What a multirun sweep's parent run reports (workbench/sweep.py)."""
+
+    metrics: Dict[str, str] = field(default_factory=lambda: {"eval_accuracy": "max"})  # best point by: max | min
+    # all: every point may be published (cost: sweep_epsilon_all). random_stopping: the driver runs K trials, K drawn
+    # from `trials` (poisson: mean poisson_mean; truncated_negative_binomial: tnb_eta, tnb_gamma), each a uniformly
+    # drawn point, and only the best is published (cost: sweep_epsilon_best, Papernot & Steinke 2022).
+    tuning: str = "all"
+    trials: str = "poisson"
+    poisson_mean: float = 3.0
+    tnb_eta: float = 0.0
+    tnb_gamma: float = 0.2
+    seed: Optional[int] = None  # the draw of K and of the points (None: fresh randomness)
+
+
+@dataclass
 class LauncherConfig:
     name: str = "inline"  # inline | local | slurm
     nprocs: Optional[int] = None  # local: processes on this machine (None: one per GPU, else 2)
@@ -110,6 +126,7 @@ class WorkbenchConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     callbacks: List[Any] = field(default_factory=list)  # Hydra `_target_` objects (workbench/callbacks.py)
 
@@ -197,6 +214,8 @@ RANGES = {
     "privacy.noise_multiplier": Range(0), "privacy.max_grad_norm": Range(0, low_open=True),
     "privacy.secure_seed": Range(0, 2**63 - 1),
     "audit.canaries": Range(1), "audit.significance": Range(0, 1, low_open=True, high_open=True),
+    "sweep.poisson_mean": Range(0, low_open=True), "sweep.tnb_eta": Range(-1, low_open=True),
+    "sweep.tnb_gamma": Range(0, 1, low_open=True, high_open=True), "sweep.seed": Range(0, SEED_MAX),
     "launcher.nprocs": Range(1), "launcher.nodes": Range(1), "launcher.gpus_per_node": Range(0),
     "launcher.tasks_per_node": Range(1), "launcher.cpus_per_task": Range(1), "launcher.mem_gb": Range(0, low_open=True),
     "launcher.timeout_min": Range(1), "launcher.max_num_timeout": Range(0),
