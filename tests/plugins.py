@@ -56,3 +56,29 @@ def functional_weight_mlp(in_features=64, hidden=(128,), num_classes=10):
             return self.head(self.fc(x).relu() + x @ self.fc.weight.T)
 
     return Model()
+
+
+class RecordingSynthetic(Synthetic):
+    """Synthetic data that records every index list it is asked for (in order), so a test can see the realised
+    Poisson batches of an in-process run."""
+
+    fetched: list = []
+
+    def __getitems__(self, indices):
+        RecordingSynthetic.fetched.append(list(indices))
+        return super().__getitems__(indices)
+
+
+class FailingSynthetic(Synthetic):
+    """Synthetic data that raises at its Nth batch fetch when $WB_FAIL_AT_FETCH=N: an in-process crash mid-training at
+    a deterministic step (counted per instance, so each run counts afresh)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fetches = 0
+
+    def __getitems__(self, indices):
+        self.fetches += 1
+        if os.environ.get("WB_FAIL_AT_FETCH") == str(self.fetches):
+            raise RuntimeError(f"injected failure at fetch {self.fetches}")
+        return super().__getitems__(indices)
