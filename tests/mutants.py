@@ -64,7 +64,7 @@ MUTANTS = (
            "d.world_size, cfg.ddp_shard)",
            ("tests/test_distributed.py::test_parameters_stay_identical_and_only_rank_zero_tracks",)),
     Mutant("clip-per-layer", "each parameter's per-example gradient is clipped to C on its own, not the whole flat one",
-           "workbench/trainer.py", "view.view(-1).addmv_(gs.t(), factor)",
+           "workbench/clipping/opacus_modes.py", "view.view(-1).addmv_(gs.t(), factor)",
            "view.view(-1).addmv_(gs.t(), (self.clip / (torch.linalg.vector_norm(gs, dim=1) + 1e-6)).clamp(max=1.0))",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear-hooks]",)),
     Mutant("pinned-seed-logged", "a pinned secure_seed reaches MLflow's params unredacted",
