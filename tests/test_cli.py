@@ -64,7 +64,7 @@ _HYDRA_EXITS_1 = pytest.mark.xfail(strict=True, reason="Hydra's composition erro
     (["output_dir=/proc/forbidden"], "not writable"),
 ])
 def test_bad_input_fails_fast_with_one_line_and_no_run(tmp_path, args, message):
-    proc = run_cli(*args, cwd=tmp_path, timeout=120)
+    proc = run_cli(*args, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]  # the README's promise for bad input
     assert message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr

@@ -123,7 +123,7 @@ def test_batch_eval_metrics_aggregates_cluster_wide():
 def _collective_failure(fail_rank):
     from workbench.distributed import setup, teardown
 
-    d = setup("gloo", ddp_timeout=60)
+    d = setup("gloo", ddp_timeout=300)  # a hang would end in a timeout error, not the message the test expects
     try:
         try:
             with d.collective_phase("checkpoint save at step 3"):
