@@ -49,6 +49,7 @@ from tests.slurm_cluster import slurm_cluster  # noqa: E402,F401  (session-scope
 
 
 
+@pytest.hookimpl(trylast=True)  # after -m / -k deselection: count only the SLURM tests this session runs
 def pytest_collection_modifyitems(config, items):
     config.stash[_SLURM_TESTS] = [item.nodeid for item in items if "slurm_cluster" in getattr(item, "fixturenames", ())]
 
