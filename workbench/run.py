@@ -3,6 +3,7 @@ checkpoint -> summary. The CLI, the launchers and the notebook API all call :fun
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import secrets
@@ -86,6 +87,11 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: l
         tags = {"backend": d.backend, "ddp_shard": cfg.ddp_shard, "world_size": d.world_size, "git_sha": git_sha(),
                 "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags}
         tracker.start(tags, run_id=job["resume_run_id"] or cfg.tracking.run_id, sweep_dir=cfg.tracking.sweep_dir)
+        if job["accountant"] is not None:  # what a sweep composes, known even if the run fails before its summary
+            a = job["accountant"]
+            tracker.set_tags({"workbench.dp_event": json.dumps(dict(
+                sample_rate=a.sample_rate, noise_multiplier=a.noise_multiplier, world_size=a.world_size, shard=a.shard,
+                planned_steps=job["total_steps"], delta=job["delta"]))})
         run_id = d.broadcast_object(tracker.run_id)
         result = _fit(cfg, d, job, tracker, run_id, output_dir)
         d.barrier()  # ranks leave together: one tearing its gloo connections down under a busy peer can abort
@@ -96,6 +102,18 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: l
         raise
     finally:
         distributed.teardown(d)
+        if tracker is not None and tracker.run_id and cfg.tracking.sweep_dir:
+            _sweep_point_ended(cfg.tracking.sweep_dir)
+
+
+def _sweep_point_ended(sweep_dir: str) -> None:
+    """The last point of a sweep whose driver has left summarises it (workbench/sweep.py); never fails the run."""
+    from workbench import sweep
+
+    try:
+        sweep.point_ended(sweep_dir)
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not summarise the sweep in %s: %s", sweep_dir, e)
 
 
 def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None, extra_callbacks: list) -> dict[str, Any]:
