@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: install run test test-fast bench bench-quick clean
+.PHONY: install run test test-fast mutants bench bench-quick clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+# Deliberate privacy bugs, each of which a named test must catch (tests/mutants.py); fails if one survives.
+mutants: install
+	$(PY) -m tests.mutants
 
 bench: install
 	$(PY) -m benchmarks

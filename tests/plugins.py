@@ -86,3 +86,29 @@ class PoisonedSynthetic(Synthetic):
         self.fetches += list(indices) != list(range(len(indices)))  # pre-run checks read the first examples: not a step
         x, y = super().__getitems__(indices)
         return (x * float("nan"), y) if self.fetches >= self.poison_from else (x, y)
+
+
+class RecordingSynthetic(Synthetic):
+    """Synthetic data that records every index list it is asked for (in order), so a test can see the realised
+    Poisson batches of an in-process run."""
+
+    fetched: list = []
+
+    def __getitems__(self, indices):
+        RecordingSynthetic.fetched.append(list(indices))
+        return super().__getitems__(indices)
+
+
+class FailingSynthetic(Synthetic):
+    """Synthetic data that raises at its Nth batch fetch when $WB_FAIL_AT_FETCH=N: an in-process crash mid-training at
+    a deterministic step (counted per instance, so each run counts afresh)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fetches = 0
+
+    def __getitems__(self, indices):
+        self.fetches += 1
+        if os.environ.get("WB_FAIL_AT_FETCH") == str(self.fetches):
+            raise RuntimeError(f"injected failure at fetch {self.fetches}")
+        return super().__getitems__(indices)

@@ -56,17 +56,21 @@ def test_default_job_end_to_end(tmp_path):
 
 
 # Through the real CLI: exit code, one line on stderr, no traceback, no run left behind.
+# Hydra's own composition errors still exit 1 (issue 14 makes them one line and exit 2): strict, so the fix shows.
+_HYDRA_EXITS_1 = pytest.mark.xfail(strict=True, reason="Hydra's composition errors exit 1 until issue 14 lands")
+
+
 @pytest.mark.parametrize("args, message", [
-    (["no_such_key=1"], "no_such_key"),
-    (["model=no_such_model"], "no_such_model"),
+    pytest.param(["no_such_key=1"], "no_such_key", marks=_HYDRA_EXITS_1),
+    pytest.param(["model=no_such_model"], "no_such_model", marks=_HYDRA_EXITS_1),
     (["backend=nccl"], "ddp_backend=nccl"),
     (["split_batches=true"], "conflicts with Poisson sampling"),
     (["privacy.target_epsilon=1e-6"], "unreachable"),
     (["output_dir=/proc/forbidden"], "not writable"),
 ])
 def test_bad_input_fails_fast_with_one_line_and_no_run(tmp_path, args, message):
-    proc = run_cli(*args, cwd=tmp_path, timeout=120)
-    assert proc.returncode != 0
+    proc = run_cli(*args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]  # the README's promise for bad input
     assert message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     if (tmp_path / "mlflow.db").exists():  # no run was started, so none is left RUNNING

@@ -66,9 +66,8 @@ def test_preempted_job_requeues_and_ends_like_an_uninterrupted_run(slurm_cluster
     cfg = compose([*PREEMPT_ARGS, f"output_dir={tmp_path / 'preempted'}", "launcher=slurm", "launcher.wait=false",
                    "launcher.timeout_min=30"])
     job = launch(cfg)
-    deadline = time.monotonic() + 120
-    while not checkpoint.list_checkpoints(tmp_path / "preempted"):
-        assert time.monotonic() < deadline and not job.done(), "the job never wrote its first checkpoint"
+    while not checkpoint.list_checkpoints(tmp_path / "preempted"):  # polled on state; pytest-timeout bounds a hang
+        assert not job.done(), "the job ended without writing its first checkpoint"
         time.sleep(0.2)
     job._interrupt()  # submitit's preemption path: USR2 -> Job.checkpoint() -> scontrol requeue
     slurm_cluster.release_requeued(job.job_id)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import time
 from typing import Any, Callable, Sequence
 
@@ -73,21 +72,33 @@ def _unparsable(override: str) -> bool:
         return True
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_RENDEZVOUS: list = []  # rank 0's store server: alive as long as the worker, shared by its process groups
 
 
-def _worker(rank: int, world_size: int, port: int, payload: bytes, results) -> None:
+def _rendezvous_port(rank: int, world_size: int, results, ports) -> int:
+    """Rank 0 binds the rendezvous store on a port the OS picks (port 0) and keeps it; the parent hands that port
+    to the other ranks. No port is chosen first and bound later, so no other process can take it in between.
+    ``init_process_group`` on rank 0 then shares this server (a multi-tenant TCPStore on the same port)."""
+    if rank != 0:
+        return ports.get()
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, world_size, is_master=True, multi_tenant=True, wait_for_workers=False)
+    _RENDEZVOUS.append(store)
+    results.put((0, "port", store.port))
+    return store.port
+
+
+def _worker(rank: int, world_size: int, ports, payload: bytes, results) -> None:
     import cloudpickle
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    port = _rendezvous_port(rank, world_size, results, ports)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     fn, args, kwargs = cloudpickle.loads(payload)
     try:
         results.put((rank, "ok", cloudpickle.dumps(fn(*args, **kwargs))))
@@ -121,10 +132,9 @@ def launch_distributed(fn: Callable[..., Any], nprocs: int = 2, *args, timeout: 
     import cloudpickle
 
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
+    results, ports = ctx.Queue(), ctx.Queue()
     payload = cloudpickle.dumps((fn, args, kwargs))
-    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, payload, results), daemon=False) for r in range(nprocs)]
+    procs = [ctx.Process(target=_worker, args=(r, nprocs, ports, payload, results), daemon=False) for r in range(nprocs)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
@@ -143,7 +153,10 @@ def launch_distributed(fn: Callable[..., Any], nprocs: int = 2, *args, timeout: 
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"launch_distributed: no result from some rank within {timeout} s") from None
                 continue
-            if status == "ok":
+            if status == "port":  # rank 0's rendezvous store is up: tell the others where
+                for _ in range(nprocs - 1):
+                    ports.put(value)
+            elif status == "ok":
                 out[rank] = cloudpickle.loads(value)
             else:
                 errors[rank] = value
