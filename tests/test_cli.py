@@ -56,13 +56,9 @@ def test_default_job_end_to_end(tmp_path):
 
 
 # Through the real CLI: exit code, one line on stderr, no traceback, no run left behind.
-# Hydra's own composition errors still exit 1 (issue 14 makes them one line and exit 2): strict, so the fix shows.
-_HYDRA_EXITS_1 = pytest.mark.xfail(strict=True, reason="Hydra's composition errors exit 1 until issue 14 lands")
-
-
 @pytest.mark.parametrize("args, message", [
-    pytest.param(["no_such_key=1"], "no_such_key", marks=_HYDRA_EXITS_1),
-    pytest.param(["model=no_such_model"], "no_such_model", marks=_HYDRA_EXITS_1),
+    (["no_such_key=1"], "no_such_key"),
+    (["model=no_such_model"], "no_such_model"),
     (["backend=nccl"], "ddp_backend=nccl"),
     (["split_batches=true"], "conflicts with Poisson sampling"),
     (["privacy.target_epsilon=1e-6"], "unreachable"),
