@@ -9,6 +9,7 @@ from workbench.clipping import fastest_grad_sample_mode
 from workbench.clipping.layers import ConvRule
 from workbench.distributed import setup
 from workbench.errors import WorkbenchError
+from workbench.models import TinyTransformer
 from workbench.trainer import GradientStep
 
 CLIP = 0.3  # small enough that clipping bites on most examples here
@@ -18,7 +19,7 @@ def _clipped_sum_loop(model, x, y, clip, dtype=torch.float64):
     """The definition, computed in ``dtype`` (float64: an independent, more exact reference)."""
     model = model.to(dtype)
     params = [p for p in model.parameters() if p.requires_grad]
-    total = [torch.zeros_like(p) for p in params]
+    total = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in params]
     bites = 0
     for i in range(len(y)):
         xi = x[i:i + 1].to(dtype) if x.is_floating_point() else x[i:i + 1]
@@ -122,25 +123,8 @@ class _LoRA(nn.Module):
         return self.head(torch.tanh(self.q(self.emb(ids))).mean(1))
 
 
-class TinyTransformer(nn.Module):
-    """One pre-LN block from nn.Embedding / nn.Linear / nn.LayerNorm: token + position embeddings, causal attention."""
-
-    def __init__(self, vocab=11, d=8, heads=2, t=6, classes=3):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(t, d)
-        self.ln1, self.ln2, self.ln_f = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        self.head, self.heads = nn.Linear(d, classes), heads
-
-    def forward(self, ids):
-        b, t = ids.shape
-        h = self.tok(ids) + self.pos(torch.arange(t, device=ids.device).expand(b, t).contiguous())  # ids per example
-        q, k, v = self.qkv(self.ln1(h)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
-        h = h + self.proj(att)
-        h = h + self.down(torch.relu(self.up(self.ln2(h))))
-        return self.head(self.ln_f(h).mean(1))
+def _floats(n, d, seed=5):
+    return torch.randn(n, d, generator=torch.Generator().manual_seed(seed))
 
 
 def _ids(n=9, t=6, vocab=7, seed=3):
@@ -149,17 +133,18 @@ def _ids(n=9, t=6, vocab=7, seed=3):
 
 CASES = {
     "embedding": (_Embed, lambda: _ids()),
-    "conv1d_reused": (lambda: _Conv(1), lambda: torch.randn(9, 24)),
+    "conv1d_reused": (lambda: _Conv(1), lambda: _floats(9, 24)),
     "conv1d_same_reflect_groups": (lambda: _Conv(1, groups=2, padding="same", padding_mode="reflect"),
-                                   lambda: torch.randn(9, 24)),
-    "conv2d": (lambda: _Conv(2), lambda: torch.randn(9, 72)),
+                                   lambda: _floats(9, 24)),
+    "conv2d": (lambda: _Conv(2), lambda: _floats(9, 72)),
     "conv2d_strided_dilated_groups_nobias": (lambda: _Conv(2, groups=2, stride=2, dilation=2, padding=2, bias=False),
-                                            lambda: torch.randn(9, 72)),
-    "conv2d_same_circular": (lambda: _Conv(2, padding="same", padding_mode="circular"), lambda: torch.randn(9, 72)),
-    "conv2d_gram": (_WideConv, lambda: torch.randn(9, 128)),
-    "layernorm_rmsnorm_frozen_weight": (_Norms, lambda: torch.randn(9, 12)),
+                                            lambda: _floats(9, 72)),
+    "conv2d_same_circular": (lambda: _Conv(2, padding="same", padding_mode="circular"), lambda: _floats(9, 72)),
+    "conv2d_gram": (_WideConv, lambda: _floats(9, 128)),
+    "layernorm_rmsnorm_frozen_weight": (_Norms, lambda: _floats(9, 12)),
     "lora": (_LoRA, lambda: _ids(vocab=9)),
-    "tiny_transformer": (TinyTransformer, lambda: _ids(vocab=11)),
+    "tiny_transformer": (lambda: TinyTransformer(vocab=11, max_len=6, d_model=8, heads=2, num_classes=3),
+                         lambda: _ids(vocab=11)),
 }
 
 
@@ -186,9 +171,10 @@ def test_book_keeping_in_bf16_is_as_close_as_bf16_allows(case):
     y = torch.randint(0, 3, (len(x),), generator=torch.Generator().manual_seed(4))
     torch.manual_seed(0)
     model = make().to(torch.bfloat16)
-    reference = [t.float() for t in _clipped_sum_loop(model, x, y, CLIP)[0]]  # float64 on the same bf16 weights
+    xb = x.to(torch.bfloat16) if x.is_floating_point() else x
+    reference = [t.float() for t in _clipped_sum_loop(model, xb, y, CLIP, torch.bfloat16)[0]]  # the loop, in bf16
     torch.manual_seed(0)
-    got = _bk_sum(make().to(torch.bfloat16), x.to(torch.bfloat16) if x.is_floating_point() else x, y, CLIP)
+    got = _bk_sum(make().to(torch.bfloat16), xb, y, CLIP)
     for g, e in zip(got, reference):
         assert g.dtype == torch.bfloat16
         scale = float(e.abs().max()) + 1e-3
@@ -252,3 +238,15 @@ def test_every_mode_checks_each_example_against_autograd_before_training(mode):
     if mode in ("bk", "auto", "hooks"):
         with pytest.raises(WorkbenchError, match="'pos'|batch"):
             step(_BroadcastPositions()).check((_ids(), y))
+
+
+def test_a_layer_without_parameters_that_mixes_examples_is_refused_before_training():
+    """BatchNorm without affine parameters has nothing to clip, so no layer rule sees it; the pre-run check does."""
+    from workbench.clipping import check_model
+
+    model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4, affine=False), nn.Linear(4, 3))
+    check_model(model, private=True)  # every trainable layer has a rule: Opacus' validator is not consulted
+    step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=1.0,
+                        noise_multiplier=0.0, grad_sample_mode="auto")
+    with pytest.raises(WorkbenchError, match="mixes examples"):
+        step.check((torch.randn(9, 6), torch.randint(0, 3, (9,))))

@@ -149,7 +149,7 @@ class ConvRule:
     (C_out, L): ||g_i U_i^T||^2 = sum_{l,l'} (U_i^T U_i)(g_i^T g_i), in float64 against cancellation. The clipped sum
     is the layer's own weight-gradient kernel (convolution_backward) on the clip-scaled output gradient."""
 
-    CHUNK_ELEMENTS = 2 ** 24  # per-sample gradients (or Gram matrices) formed at once: 64 MiB in float32
+    CHUNK_ELEMENTS = 2 ** 18  # patches, Gram matrices, per-sample gradients formed at once: 1-2 MiB
     ROUTE = "unfold"
     GRAM_IF = 1.0  # Gram when GRAM_IF * L^2 (C_in k + C_out) < L C_in k C_out per group (benchmarks/RESULTS.md)
 
@@ -205,22 +205,23 @@ class ConvRule:
         if "weight" in names:
             lengths = sum(math.prod(g.shape[2:]) for _, _, g in state)
             route = self.route(m, lengths)
-            if route != "kernel":  # unfolded patches, the calls joined along positions
-                u = _cat([self._patches(m, x, padding) for x, padding, _ in state], -1)
-                g = _cat([g.reshape(n, m.groups, -1, math.prod(g.shape[2:])) for _, _, g in state], -1)
-                if route == "gram":
-                    u, g = u.to(torch.float64), g.to(torch.float64)
-            per = m.groups * lengths ** 2 if route == "gram" else m.weight.numel()
+            # chunks of examples bound the memory of patches, Gram matrices and per-sample gradients
+            per = m.groups * lengths * (lengths if route == "gram" else 1) + m.in_channels * math.prod(m.kernel_size) \
+                * lengths + m.weight.numel()
             step = max(1, self.CHUNK_ELEMENTS // per)
             for s in range(0, n, step):
+                chunk = [(x[s:s + step], padding, g[s:s + step]) for x, padding, g in state]
+                if route == "kernel":
+                    out[s:s + step] = _squares(sum(self._weight_grad(m, *c, True) for c in chunk))
+                    continue
+                # unfolded patches, the calls joined along positions
+                u = _cat([self._patches(m, x, padding) for x, padding, _ in chunk], -1)
+                g = _cat([g.reshape(len(g), m.groups, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
                 if route == "gram":
-                    uc, gc = u[s:s + step], g[s:s + step]
-                    out[s:s + step] = (uc.transpose(-1, -2) @ uc).mul_(gc.transpose(-1, -2) @ gc).sum((1, 2, 3)).to(dtype)
-                elif route == "unfold":
-                    out[s:s + step] = _squares(g[s:s + step] @ u[s:s + step].transpose(-1, -2))
+                    u, g = u.to(torch.float64), g.to(torch.float64)
+                    out[s:s + step] = (u.transpose(-1, -2) @ u).mul_(g.transpose(-1, -2) @ g).sum((1, 2, 3)).to(dtype)
                 else:
-                    out[s:s + step] = _squares(sum(self._weight_grad(m, x[s:s + step], padding, g[s:s + step], True)
-                                                   for x, padding, g in state))
+                    out[s:s + step] = _squares(g @ u.transpose(-1, -2))
         if "bias" in names:
             out.add_(_squares(sum(g.flatten(2).sum(-1) for _, _, g in state)))
         return out
