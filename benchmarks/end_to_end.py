@@ -47,7 +47,7 @@ def end_to_end(s: Settings, log=print) -> dict:
     log(f"  workbench {median(runs['workbench']):.2f} s, raw Opacus {median(runs['raw_opacus']):.2f} s: {ratio:.2f}x")
     return {
         "what": " ".join(__doc__.split()),
-        "epochs": epochs, "pairs": pairs, "seconds": {k: v for k, v in runs.items()},
+        "epochs": epochs, "pairs": pairs, "wall_seconds": runs,
         "median_seconds": {k: median(v) for k, v in runs.items()}, "workbench_vs_raw_opacus": ratio,
         "targets": [target("default job wall time / raw Opacus script's (warm, whole processes)", ratio, TARGET,
                            False)],

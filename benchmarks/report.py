@@ -186,7 +186,7 @@ def render(results: dict, mode: str, command: str, machine: dict, total_s: float
         fig = results["end_to_end"]
         lines += ["## 7. End to end (`end_to_end`)", "", fig["what"], "",
                   "| Process | wall time per run (s) | median |", "|---|---|---|"]
-        for k, v in fig["seconds"].items():
+        for k, v in fig["wall_seconds"].items():
             lines.append(f"| {k} | {', '.join(f'{x:.2f}' for x in v)} | **{fig['median_seconds'][k]:.2f}** |")
         lines += ["", f"workbench / raw Opacus: **{fig['workbench_vs_raw_opacus']:.2f}x** ({fig['epochs']} epochs, "
                   f"{fig['pairs']} pair(s)).", ""]
