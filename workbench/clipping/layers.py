@@ -143,14 +143,14 @@ class EmbeddingRule:
 
 
 class ConvRule:
-    """nn.Conv1d / nn.Conv2d. Per-sample norms: each example's weight gradient is formed by one grouped convolution
-    backward over a chunk of examples (the batch folded into groups, as torch's expanded weights does; bounded
-    memory), or, where cheaper (``use_gram``), by the Gram trick on unfolded patches U_i (C_in k, L) and g_i
-    (C_out, L): ||g_i U_i^T||^2 = sum_{l,l'} (U_i^T U_i)(g_i^T g_i), in float64 against cancellation. The clipped sum
-    is the layer's own weight-gradient kernel (convolution_backward) on the clip-scaled output gradient."""
+    """nn.Conv1d / nn.Conv2d, on unfolded patches U_i (C_in k, L) and output gradients g_i (C_out, L) per group.
+    Per-sample norms: from the per-sample gradient g_i U_i^T, or, where cheaper (``use_gram``), by the Gram trick
+    ||g_i U_i^T||^2 = sum_{l,l'} (U_i^T U_i)(g_i^T g_i), in float64 against cancellation; in chunks of examples
+    (bounded memory). The clipped sum is the layer's own weight-gradient kernel (convolution_backward) on the
+    clip-scaled output gradient. (Forming per-sample gradients by a convolution with the batch folded into the groups,
+    as expanded weights does, measured no faster than the unfold on the small CNN.)"""
 
     CHUNK_ELEMENTS = 2 ** 18  # patches, Gram matrices, per-sample gradients formed at once: 1-2 MiB
-    ROUTE = "unfold"
     GRAM_IF = 1.0  # Gram when GRAM_IF * L^2 (C_in k + C_out) < L C_in k C_out per group (benchmarks/RESULTS.md)
 
     @staticmethod
@@ -166,28 +166,17 @@ class ConvRule:
         return [(*self._padded(m, a), g) for a, g in calls]
 
     @staticmethod
-    def _weight_grad(m, x, padding, g, per_sample: bool) -> torch.Tensor:
-        """The weight gradient by the layer's own kernel: summed over the batch, or (``per_sample``) one per example,
-        (n, weight numel), with the batch folded into the groups (as torch's expanded weights does)."""
-        n, groups, shape = len(x), m.groups, tuple(m.weight.shape)
-        if per_sample:
-            x, g = x.reshape(1, -1, *x.shape[2:]), g.reshape(1, -1, *g.shape[2:])
-            groups, shape = n * m.groups, (n * shape[0], *shape[1:])
-        grad = torch.ops.aten.convolution_backward(
-            g, x, x.new_empty(1).expand(shape), None, m.stride, padding, m.dilation, False, (0,) * len(padding),
-            groups, (False, True, False))[1]
-        return grad.view(n, -1) if per_sample else grad
-
-    def route(self, m, length: int) -> str:
-        """How per-sample norms are formed at L output positions (all calls): "gram", "unfold" or "kernel"."""
-        p = m.in_channels // m.groups * math.prod(m.kernel_size)
-        d = m.out_channels // m.groups
-        if self.GRAM_IF * length * (p + d) < p * d:
-            return "gram"
-        return self.ROUTE
+    def _weight_grad(m, x, padding, g) -> torch.Tensor:
+        """The weight gradient summed over the batch, by the layer's own kernel."""
+        return torch.ops.aten.convolution_backward(
+            g, x, x.new_empty(1).expand(m.weight.shape), None, m.stride, padding, m.dilation, False,
+            (0,) * len(padding), m.groups, (False, True, False))[1]
 
     def use_gram(self, m, length: int) -> bool:
-        return self.route(m, length) == "gram"
+        """Per-sample norms by the Gram trick (else from per-sample gradients) at L output positions (all calls)."""
+        p = m.in_channels // m.groups * math.prod(m.kernel_size)
+        d = m.out_channels // m.groups
+        return self.GRAM_IF * length * (p + d) < p * d
 
     def _patches(self, m, x: torch.Tensor, padding) -> torch.Tensor:
         """(n, C_in, *spatial) -> (n, groups, C_in/groups * k, L): unfold's channel-major order is the weight's."""
@@ -204,20 +193,17 @@ class ConvRule:
         out = torch.zeros(n, device=g0.device, dtype=dtype)
         if "weight" in names:
             lengths = sum(math.prod(g.shape[2:]) for _, _, g in state)
-            route = self.route(m, lengths)
+            gram = self.use_gram(m, lengths)
             # chunks of examples bound the memory of patches, Gram matrices and per-sample gradients
-            per = m.groups * lengths * (lengths if route == "gram" else 1) + m.in_channels * math.prod(m.kernel_size) \
-                * lengths + m.weight.numel()
+            per = m.groups * lengths * (lengths if gram else 1) + m.in_channels * math.prod(m.kernel_size) * lengths \
+                + m.weight.numel()
             step = max(1, self.CHUNK_ELEMENTS // per)
             for s in range(0, n, step):
                 chunk = [(x[s:s + step], padding, g[s:s + step]) for x, padding, g in state]
-                if route == "kernel":
-                    out[s:s + step] = _squares(sum(self._weight_grad(m, *c, True) for c in chunk))
-                    continue
                 # unfolded patches, the calls joined along positions
                 u = _cat([self._patches(m, x, padding) for x, padding, _ in chunk], -1)
                 g = _cat([g.reshape(len(g), m.groups, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
-                if route == "gram":
+                if gram:
                     u, g = u.to(torch.float64), g.to(torch.float64)
                     out[s:s + step] = (u.transpose(-1, -2) @ u).mul_(g.transpose(-1, -2) @ g).sum((1, 2, 3)).to(dtype)
                 else:
@@ -231,7 +217,7 @@ class ConvRule:
         for x, padding, g in state:
             scaled = (g * factor.view(-1, *[1] * (g.dim() - 1))).to(g.dtype)
             if "weight" in names:
-                view_of[id(m.weight)].add_(self._weight_grad(m, x, padding, scaled, False))
+                view_of[id(m.weight)].add_(self._weight_grad(m, x, padding, scaled))
             if "bias" in names:
                 view_of[id(m.bias)].add_(scaled.flatten(2).sum((0, 2)))
 
