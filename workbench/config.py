@@ -74,6 +74,22 @@ class TrackingConfig:
 
 
 @dataclass
+class SweepConfig:
+    """What a multirun sweep's parent run reports (workbench/sweep.py)."""
+
+    metrics: Dict[str, str] = field(default_factory=lambda: {"eval_accuracy": "max"})  # best point by: max | min
+    # all: every point may be published (cost: sweep_epsilon_all). random_stopping: the driver runs K trials, K drawn
+    # from `trials` (poisson: mean poisson_mean; truncated_negative_binomial: tnb_eta, tnb_gamma), each a uniformly
+    # drawn point, and only the best is published (cost: sweep_epsilon_best, Papernot & Steinke 2022).
+    tuning: str = "all"
+    trials: str = "poisson"
+    poisson_mean: float = 3.0
+    tnb_eta: float = 0.0
+    tnb_gamma: float = 0.2
+    seed: Optional[int] = None  # the draw of K and of the points (None: fresh randomness)
+
+
+@dataclass
 class LauncherConfig:
     name: str = "inline"  # inline | local | slurm
     nprocs: Optional[int] = None  # local: processes on this machine (None: one per GPU, else 2)
@@ -105,6 +121,7 @@ class WorkbenchConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     callbacks: List[Any] = field(default_factory=list)  # Hydra `_target_` objects (workbench/callbacks.py)
 

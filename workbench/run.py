@@ -3,6 +3,7 @@ checkpoint -> summary. The CLI, the launchers and the notebook API all call :fun
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import secrets
@@ -84,12 +85,16 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: l
         output_dir = Path(cfg.output_dir)
         config.check_writable(output_dir)
         job = _build(cfg, d, compute_metrics, callbacks or [])
-
         def started_tracker():
             tracker = make_tracker(cfg, d.is_main)
             tags = {"backend": d.backend, "ddp_shard": cfg.ddp_shard, "world_size": d.world_size, "git_sha": git_sha(),
                     "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags}
             tracker.start(tags, run_id=job["resume_run_id"] or cfg.tracking.run_id, sweep_dir=cfg.tracking.sweep_dir)
+            if job["accountant"] is not None:  # what a sweep composes, known even if the run fails before its summary
+                a = job["accountant"]
+                tracker.set_tags({"workbench.dp_event": json.dumps(dict(
+                    sample_rate=a.sample_rate, noise_multiplier=a.noise_multiplier, world_size=a.world_size,
+                    shard=a.shard, planned_steps=job["total_steps"], delta=job["delta"]))})
             return tracker
 
         if d.distributed:  # every rank needs the run id before its first checkpoint: start it now, share it
@@ -107,6 +112,18 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: l
         raise
     finally:
         distributed.teardown(d)
+        if tracker is not None and tracker.run_id and cfg.tracking.sweep_dir:
+            _sweep_point_ended(cfg.tracking.sweep_dir)
+
+
+def _sweep_point_ended(sweep_dir: str) -> None:
+    """The last point of a sweep whose driver has left summarises it (workbench/sweep.py); never fails the run."""
+    from workbench import sweep
+
+    try:
+        sweep.point_ended(sweep_dir)
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not summarise the sweep in %s: %s", sweep_dir, e)
 
 
 class _StartingTracker:
@@ -131,6 +148,11 @@ class _StartingTracker:
             self._tracker.finish(status)
         elif status == "FINISHED":
             raise self._error
+
+    @property
+    def run_id(self) -> str | None:  # a failed start has no run (its error surfaces on the first use that needs one)
+        self._thread.join()
+        return self._tracker.run_id if self._tracker is not None else None
 
     def __getattr__(self, name: str) -> Any:
         self._thread.join()
