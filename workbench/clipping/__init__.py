@@ -28,6 +28,9 @@ def check_model(model: nn.Module, private: bool) -> None:
         raise WorkbenchError("torch.nn.DataParallel is refused: use launcher=local (one process per device) instead")
     if not private:
         return
+    layers = book_keeping.trainable_layers(model)
+    if layers and book_keeping.refusal(layers) is None:
+        return  # bk has a rule for every trainable layer; each mode's pre-run check refuses layers that mix examples
     from opacus.validators import ModuleValidator
 
     errors = ModuleValidator.validate(model, strict=False)
@@ -39,8 +42,9 @@ def check_model(model: nn.Module, private: bool) -> None:
 
 
 def fastest_grad_sample_mode(model: nn.Module) -> str:
-    """What grad_sample_mode=auto picks, by benchmarks/RESULTS.md: book-keeping for all-Linear models (one backward,
-    per-sample gradients never materialised), expanded weights where it covers every layer, else Opacus' hooks."""
+    """What grad_sample_mode=auto picks, by benchmarks/RESULTS.md: book-keeping where it has a rule for every trainable
+    layer (one backward, per-sample gradients never materialised), expanded weights where that covers every layer,
+    else Opacus' hooks. Every mode's pre-run check still runs: a model that breaks bk's assumptions is refused."""
     layers = book_keeping.trainable_layers(model)
     if layers and book_keeping.refusal(layers) is None:
         return "bk"

@@ -11,19 +11,82 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workbench.clipping.base import LossFn, Strategy, add_grads, clip_factors
+from workbench.clipping.base import LossFn, Strategy, add_grads, check_tolerance, clip_factors, require_own
+from workbench.errors import WorkbenchError
 
 
-class PerSampleGradients(Strategy):
+class _Checked(Strategy):
+    """The pre-run check for Opacus' modes: on a real batch, in training mode, each example's per-sample gradient (or
+    its norm, for ghost) must equal autograd's gradient of that example's loss alone, computed on the unwrapped model.
+    Opacus sees a weight only through its layer's hooks: a weight also used outside its layer fails here."""
+
+    params: list[nn.Parameter]
+    mode: str
+
+    def _rows(self, n: int) -> dict[int, torch.Tensor]:
+        """Per parameter id, what the mode computed per example after a backward of the summed losses."""
+        raise NotImplementedError
+
+    def check(self, batch, loss_fn: LossFn) -> None:
+        seed = int(torch.randint(0, 2**62, (1,)))
+        was_training = self.module.training
+        self.module.train()
+        hooks = getattr(self.module, "disable_hooks", None)
+        try:
+            with torch.random.fork_rng(devices=[]):  # the same dropout masks in both forwards
+                torch.manual_seed(seed)
+                if hooks:
+                    self.module.disable_hooks()
+                try:
+                    losses = loss_fn(self.module._module, batch)
+                    own = [torch.autograd.grad(losses[k], self.params, retain_graph=True, allow_unused=True)
+                           for k in range(len(losses))]
+                finally:
+                    if hooks:
+                        self.module.enable_hooks()
+                torch.manual_seed(seed)
+                try:
+                    loss_fn(self.module, batch).sum().backward()
+                except RuntimeError as e:  # e.g. expanded weights meeting a weight used outside its layer
+                    raise WorkbenchError(f"grad_sample_mode={self.mode} cannot compute this model's per-sample "
+                                         f"gradients: {str(e).splitlines()[0]}") from e
+            rows = self._rows(len(own))
+        finally:
+            self.module.train(was_training)
+            for p in self.params:
+                p.grad_sample = p.grad = None
+                p._norm_sample = None
+        names = {id(p): n for n, p in self.module._module.named_parameters()}
+        tolerance = check_tolerance(self.params[0].dtype)
+        exact = torch.promote_types(self.params[0].dtype, torch.float32)
+        for k, grads in enumerate(own):
+            for p, ref in zip(self.params, grads):
+                ref = torch.zeros(p.shape, device=p.device, dtype=exact) if ref is None else ref.to(exact)
+                if ref.is_sparse:
+                    ref = ref.to_dense()
+                if self.mode == "ghost":
+                    ref = torch.linalg.vector_norm(ref)
+                if id(p) in rows and len(rows[id(p)]) != len(own):
+                    raise WorkbenchError(f"grad_sample_mode={self.mode}: {names[id(p)]!r} got per-sample gradients for "
+                                         f"{len(rows[id(p)])} examples in a batch of {len(own)}: a layer's input does "
+                                         "not keep the batch as dim 0")
+                got = rows[id(p)][k].to(exact) if id(p) in rows else torch.zeros_like(ref)
+                require_own(k, names[id(p)], self.mode, got, ref, ref.abs(), tolerance)
+
+
+class PerSampleGradients(_Checked):
     def __init__(self, model: nn.Module, params: list[nn.Parameter], clip: float, mode: str):
         from opacus.grad_sample import GradSampleModule, GradSampleModuleExpandedWeights
 
-        self.params, self.clip = params, clip
+        self.params, self.clip, self.mode = params, clip, mode
         if mode == "ew":
             self.module = GradSampleModuleExpandedWeights(model, batch_first=True, loss_reduction="sum")
         else:
             self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum",
                                            force_functorch=mode == "functorch")
+
+    def _rows(self, n):
+        return {id(p): p.grad_sample for p in self.params if p.grad_sample is not None}
 
     def accumulate(self, batch, loss_fn: LossFn, view_of: dict[int, torch.Tensor]) -> torch.Tensor:
         losses = loss_fn(self.module, batch)
@@ -45,13 +108,16 @@ class PerSampleGradients(Strategy):
         return losses.detach()
 
 
-class Ghost(Strategy):
+class Ghost(_Checked):
     def __init__(self, model: nn.Module, params: list[nn.Parameter], clip: float):
         from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
 
-        self.params, self.clip = params, clip
+        self.params, self.clip, self.mode = params, clip, "ghost"
         self.module = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="sum",
                                                            max_grad_norm=clip, use_ghost_clipping=True)
+
+    def _rows(self, n):
+        return {id(p): p._norm_sample for p in self.params if getattr(p, "_norm_sample", None) is not None}
 
     def accumulate(self, batch, loss_fn: LossFn, view_of: dict[int, torch.Tensor]) -> torch.Tensor:
         losses = loss_fn(self.module, batch)
