@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from workbench import config
 from workbench.errors import WorkbenchError
+from workbench.tracking import scrub
 
 log = logging.getLogger("workbench")
 
@@ -38,7 +39,7 @@ def hydra_context(cfg: DictConfig) -> None:
     tags = {f"hydra/{k}": v for k, v in hc.runtime.choices.items() if v is not None and not k.startswith("hydra/")}
     overrides = [o for o in hc.overrides.task if not o.startswith(("hydra.", "hydra/"))]
     if overrides:
-        tags["overrides"] = " ".join(overrides)
+        tags["overrides"] = scrub(" ".join(overrides))
     with open_dict(cfg):
         for k, v in tags.items():
             cfg.tracking.tags.setdefault(k, str(v))

@@ -24,6 +24,9 @@ from workbench.trainer import Evaluator, GradientStep, History, Trainer, check_m
 
 log = logging.getLogger("workbench")
 
+# Checkpoint entries that stay in the run folder and never reach MLflow (see _fit).
+PRIVATE_STATE = ("secret", "privacy_digest")
+
 
 @dataclass
 class TrainResult:
@@ -159,6 +162,9 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
         path = checkpoint.resolve(cfg.resume_from_checkpoint, cfg.output_dir)
         if path is not None:
             state = checkpoint.load(path)
+            if state.get("secret") is None:
+                raise WorkbenchError(f"checkpoint {str(path)!r} has no stream secret (a published copy?); "
+                                     "resume from the run folder's own checkpoint")
             if state.get("privacy_digest") != digest:
                 raise WorkbenchError(f"checkpoint {str(path)!r} was written under a different privacy config "
                                      "(batch, steps, seed, shard, world size, noise, clipping or data differ); refusing to resume")
@@ -168,9 +174,6 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
             if accountant is not None:
                 accountant.load_state_dict(state["accountant"])
             start_step, resume_run_id = int(state["step"]), state.get("run_id")
-            if state.get("secret") is None:
-                raise WorkbenchError(f"checkpoint {str(path)!r} has no stream secret (a published copy?); "
-                                     "resume from the run folder's own checkpoint")
             secret = state["secret"]
             log.info("resuming from %s at step %d", path, start_step)
 
@@ -224,9 +227,11 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
     save(steps)
     if d.is_main:
         if cfg.tracking.log_checkpoints and last_saved[0] is not None:
-            with tempfile.TemporaryDirectory() as tmp:  # the published copy leaves out the stream secret
+            # The published copy leaves out the stream secret, and the privacy digest: it hashes the config with a
+            # pinned secure_seed, so the public config would let a small seed be brute-forced from it.
+            with tempfile.TemporaryDirectory() as tmp:
                 published = Path(tmp) / last_saved[0].name
-                torch.save({k: v for k, v in state(steps).items() if k != "secret"}, published)
+                torch.save({k: v for k, v in state(steps).items() if k not in PRIVATE_STATE}, published)
                 tracker.log_artifact(published, "checkpoints")
         if trainer.history.steps:
             from workbench.plots import training_curves

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -55,11 +56,23 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# A pinned privacy.secure_seed as it appears in override strings (`privacy.secure_seed=N`, `+privacy.secure_seed=N`).
+_SECRET_OVERRIDE = re.compile(r"(secure_seed\s*=\s*)[^\s,]+")
+
+
+def scrub(text: str) -> str:
+    """Text as MLflow may show it: whoever knows a pinned secure_seed can strip the noise and see the batches."""
+    return _SECRET_OVERRIDE.sub(r"\1<redacted>", text)
+
+
 def redacted(cfg: DictConfig) -> dict[str, Any]:
-    """The resolved config as MLflow may show it: a set privacy.secure_seed would let readers undo the privacy."""
+    """The resolved config as MLflow may show it: no pinned privacy.secure_seed, in its own field or in a tag."""
     container = OmegaConf.to_container(cfg, resolve=True)
     if container.get("privacy", {}).get("secure_seed") is not None:
         container["privacy"]["secure_seed"] = "<redacted>"
+    tags = container.get("tracking", {}).get("tags") or {}
+    for k, v in tags.items():
+        tags[k] = scrub(str(v))
     return container
 
 
@@ -149,7 +162,7 @@ class MlflowTracker(NullTracker):
         the sweep's parent run. `pending`: created by a launcher before its job starts (status SCHEDULED).
         """
         experiment_id = self._experiment_id()
-        all_tags = {k: str(v) for k, v in tags.items() if v is not None}
+        all_tags = {k: scrub(str(v)) for k, v in tags.items() if v is not None}
         if run_id is None:
             if sweep_dir:
                 all_tags[PARENT_TAG] = self._sweep_parent(experiment_id, sweep_dir)
@@ -202,7 +215,7 @@ class MlflowTracker(NullTracker):
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         for k, v in tags.items():
-            _retry(lambda k=k, v=v: self.client.set_tag(self.run_id, k, str(v)))
+            _retry(lambda k=k, v=v: self.client.set_tag(self.run_id, k, scrub(str(v))))
 
     def finish(self, status: str = "FINISHED") -> None:
         if self.run_id is not None:
