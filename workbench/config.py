@@ -60,6 +60,9 @@ class TrackingConfig:
     experiment_name: str = "workbench"
     run_name: Optional[str] = None
     log_checkpoints: bool = True
+    # Seconds the end of a run waits for a slow or dead server; then what is unsent goes to <output_dir>/tracking-spool/
+    # (upload it later with `python -m workbench.tracking sync <output_dir>`).
+    flush_timeout: float = 30.0
     tags: Dict[str, str] = field(default_factory=dict)
     # Set by launchers and sweeps, rarely by hand: continue this MLflow run; the multirun folder (-> parent run).
     run_id: Optional[str] = None

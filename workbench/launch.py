@@ -144,6 +144,9 @@ def submit(cfg: DictConfig) -> Any:
     config.check_writable(output_dir)
     executor = _executor(cfg, output_dir / "submitit")
     tracker = make_tracker(cfg, is_main=True)
+    problem = tracker.check()
+    if problem:
+        raise WorkbenchError(problem)
     tracker.start({"launcher": cfg.launcher.name, "status": "submitted", **cfg.tracking.tags},
                   sweep_dir=cfg.tracking.sweep_dir, pending=True)
     cfg.tracking.run_id = tracker.run_id

@@ -76,11 +76,14 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None) -> TrainResu
     tracker = None
     try:
         _quiet_unless(d.should_log)
+        tracker = make_tracker(cfg, d.is_main)
+        problem = d.broadcast_object(tracker.check())  # an unusable store is refused on every rank, before any work
+        if problem:
+            raise WorkbenchError(problem)
         cfg.output_dir = d.broadcast_object(str(config.resolve_output_dir(cfg)))  # one run folder for every rank
         output_dir = Path(cfg.output_dir)
         config.check_writable(output_dir)
         job = _build(cfg, d, compute_metrics)
-        tracker = make_tracker(cfg, d.is_main)
         tags = {"backend": d.backend, "ddp_shard": cfg.ddp_shard, "world_size": d.world_size, "git_sha": git_sha(),
                 "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags}
         tracker.start(tags, run_id=job["resume_run_id"] or cfg.tracking.run_id, sweep_dir=cfg.tracking.sweep_dir)
@@ -246,6 +249,9 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
         parts.append(f"steps={steps}")
         if run_id:
             parts.append(f"run_id={run_id} | {ui_command(uri)}")
+        if tracker.spooled:
+            parts.append(f"| tracking server unreachable: spooled to {tracker.spooled}, upload with "
+                         f"python -m workbench.tracking sync {output_dir}")
         print("done: " + " ".join(parts), flush=True)
     return TrainResult(metrics=metrics, epsilon=epsilon, delta=delta, noise_multiplier=job["sigma"] if accountant else None,
                        sample_rate=job["shard"].sample_rate, steps=steps, run_id=run_id, tracking_uri=uri,

@@ -307,9 +307,12 @@ class StepLogger:
 
     def flush(self) -> None:
         """Wait until every queued line is in the tracker (before a checkpoint: a resumed run then misses none)."""
-        if self._thread.is_alive():
-            self._wake.set()
-            self._queue.join()
+        self._wake.set()
+        done = self._queue.all_tasks_done
+        with done:  # not Queue.join(): a worker that stopped on an error never marks later lines done
+            while self._queue.unfinished_tasks and self._thread.is_alive():
+                done.wait(0.1)
+        self.tracker.flush()
         if self._error is not None:
             raise RuntimeError("step logging failed") from self._error
 
