@@ -129,6 +129,16 @@ def unstage(op: tuple) -> None:
             pass
 
 
+def tidy(output_dir: str | Path) -> None:
+    """Remove the spool's folders once nothing is left in them."""
+    folder = spool_dir(output_dir)
+    for sub in sorted(folder.glob("files/*"), reverse=True) + [folder / "files", folder]:
+        try:
+            sub.rmdir()
+        except OSError:
+            pass
+
+
 def write_spool(output_dir: str | Path, uri: str, run_id: str, ops: Iterable[tuple]) -> Path:
     """Append unsent operations to a new spool file in the run folder (written whole, then renamed into place)."""
     folder = spool_dir(output_dir)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 import time
@@ -18,7 +17,7 @@ from typing import Any, Mapping
 from omegaconf import DictConfig, OmegaConf
 
 from workbench.errors import WorkbenchError
-from workbench.outbox import Outbox, read_spool, spool_dir, stage, unstage, write_spool
+from workbench.outbox import Outbox, read_spool, spool_dir, stage, tidy, unstage, write_spool
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +146,10 @@ class MlflowTracker(NullTracker):
         self.mlflow = mlflow
         self.cfg = cfg
         self.uri = tracking_uri(cfg.tracking.uri)
-        self.client = mlflow.MlflowClient(tracking_uri=self.uri)
+        # Found before a client exists (it would raise a traceback, or create a store); reported by check().
+        self.problem = ("tracking.experiment_name must not be empty"
+                        if not str(cfg.tracking.experiment_name or "").strip() else uri_problem(self.uri))
+        self.client = None if self.problem else mlflow.MlflowClient(tracking_uri=self.uri)
         self.run_id = None
         self.spooled = None
         self.outbox: Outbox | None = None
@@ -160,11 +162,8 @@ class MlflowTracker(NullTracker):
         """Why this run cannot be tracked (one line), found within CHECK_TIMEOUT seconds; None when it can."""
         import threading
 
-        if not str(self.cfg.tracking.experiment_name or "").strip():
-            return "tracking.experiment_name must not be empty"
-        problem = uri_problem(self.uri)
-        if problem:
-            return problem
+        if self.problem:
+            return self.problem
         answer: list[str | None] = []
 
         def probe() -> None:
@@ -172,7 +171,7 @@ class MlflowTracker(NullTracker):
                 self._experiment_id()
                 answer.append(None)
             except Exception as e:  # noqa: BLE001 - reported as one line
-                answer.append(" ".join(str(e).split())[:300] or type(e).__name__)
+                answer.append(" ".join(str(e).split()) or type(e).__name__)
 
         thread = threading.Thread(target=probe, name="workbench-tracking-check", daemon=True)
         thread.start()
@@ -180,7 +179,8 @@ class MlflowTracker(NullTracker):
         if not answer:
             return f"tracking.uri={self.uri!r} did not answer within {CHECK_TIMEOUT:.0f} s"
         if answer[0] is not None:
-            return f"tracking.uri={self.uri!r} cannot be used: {answer[0]}"
+            errno = re.search(r"\[Errno -?\d+\] [^'\")]+", answer[0])  # a connection error: its OS reason says it all
+            return f"tracking.uri={self.uri!r} cannot be used: {errno.group(0) if errno else answer[0][:300]}"
         return None
 
     def _experiment_id(self) -> str:
@@ -298,6 +298,7 @@ class MlflowTracker(NullTracker):
         self.outbox.drain(self.cfg.tracking.flush_timeout)
         unsent = self.outbox.close()
         self._persist(unsent)
+        tidy(self.run_folder)
         if unsent:
             self.spooled = spool_dir(self.run_folder)
             log.warning("the tracking server did not answer (%s): %d tracking calls spooled to %s; upload them "
@@ -420,7 +421,7 @@ def sync(output_dir: str | Path, uri: str | None = None) -> int:
             raise WorkbenchError(f"sync stopped after {count} tracking calls ({head['uri']}: {message}); "
                                  "the rest stays spooled, run sync again") from None
         path.unlink()
-    shutil.rmtree(spool_dir(output_dir), ignore_errors=True)
+    tidy(output_dir)
     return count
 
 
