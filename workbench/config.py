@@ -45,7 +45,7 @@ class PrivacyConfig:
     target_delta: Optional[float] = None  # None: a value below 1/N (see workbench.privacy.default_delta)
     noise_multiplier: Optional[float] = None  # None: calibrated so that target_epsilon is met after all steps
     max_grad_norm: float = 1.0
-    grad_sample_mode: str = "auto"  # auto: the fastest mode that supports the model (workbench.trainer)
+    grad_sample_mode: str = "auto"  # auto: the fastest mode that supports the model (workbench.clipping)
     # The secret that the Poisson-sampling and noise streams derive from (with seed / data_seed, rank and step).
     # null: a fresh random secret per run, kept in its checkpoints (so a resumed run replays exactly) and never logged.
     # Set it only to reproduce a run bit for bit: whoever knows it can strip the noise and see the batches, so the

@@ -20,7 +20,8 @@ from torch import nn
 from workbench import checkpoint, config, data, distributed, privacy
 from workbench.errors import WorkbenchError
 from workbench.tracking import git_sha, make_tracker, ui_command
-from workbench.trainer import Evaluator, GradientStep, History, Trainer, check_model, lr_lambda
+from workbench.clipping import check_model
+from workbench.trainer import Evaluator, GradientStep, History, Trainer, lr_lambda
 
 log = logging.getLogger("workbench")
 

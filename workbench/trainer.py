@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from workbench import book_keeping
+from workbench import clipping
 from workbench.data import step_generator
 from workbench.distributed import Dist
 from workbench.errors import WorkbenchError
@@ -28,38 +28,6 @@ from workbench.errors import WorkbenchError
 log = logging.getLogger(__name__)
 # Opacus' hooks trigger this on every backward of a model whose inputs need no grad: expected, not actionable.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
-
-
-def check_model(model: nn.Module, private: bool) -> None:
-    """Refuse models DP-SGD (or one-process-per-device training) cannot handle, with a one-line fix."""
-    if isinstance(model, nn.DataParallel):
-        raise WorkbenchError("torch.nn.DataParallel is refused: use launcher=local (one process per device) instead")
-    if not private:
-        return
-    from opacus.validators import ModuleValidator
-
-    errors = ModuleValidator.validate(model, strict=False)
-    if errors:
-        first = str(errors[0]).splitlines()[0]
-        hint = " (e.g. BatchNorm -> GroupNorm: opacus.validators.ModuleValidator.fix(model) does it)" \
-            if any("BatchNorm" in str(e) for e in errors) else ""
-        raise WorkbenchError(f"the model has {len(errors)} layer(s) DP-SGD cannot handle: {first}{hint}")
-
-
-# Layers torch's expanded weights (grad_sample_mode=ew) computes per-sample gradients for.
-_EW_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.GroupNorm, nn.LayerNorm,
-              nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
-
-
-def fastest_grad_sample_mode(model: nn.Module) -> str:
-    """What grad_sample_mode=auto picks, by benchmarks/RESULTS.md: book-keeping for all-Linear models (one backward,
-    per-sample gradients never materialised), expanded weights where it covers every layer, else Opacus' hooks."""
-    layers = book_keeping.trainable_layers(model)
-    if layers and book_keeping.refusal(layers) is None:
-        return "bk"
-    if layers and all(type(m) in _EW_LAYERS for m in layers):  # exact types: a subclass may compute otherwise
-        return "ew"
-    return "hooks"
 
 
 class GradientStep:
@@ -82,7 +50,10 @@ class GradientStep:
         if len({p.dtype for p in self.params}) > 1:
             raise WorkbenchError(f"the model's trainable parameters mix dtypes {sorted({str(p.dtype) for p in self.params})}; "
                                  "one flat gradient buffer needs one")
-        self.module = self._wrap(model) if self.private else model
+        if self.private and self.mode == "auto":
+            self.mode = clipping.fastest_grad_sample_mode(model)
+        self.clipper = clipping.make(model, self.params, max_grad_norm=max_grad_norm, mode=self.mode)
+        self.module = self.clipper.module
         numel = sum(p.numel() for p in self.params)
         device = self.params[0].device
         # Gradient sum, then [loss sum, example count]: the step's one collective carries all three.
@@ -95,107 +66,36 @@ class GradientStep:
         self.numel = numel
         self.loss_sum, self.count = self.flat[-2], self.flat[-1]  # 0-d views: cheaper to add to than flat[-2]
 
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        if self.mode == "auto":
-            self.mode = fastest_grad_sample_mode(model)
-        if self.mode == "bk":
-            self.bk = book_keeping.BookKeeping(model, self.clip)
-            return model
-        from opacus.grad_sample import GradSampleModule, GradSampleModuleExpandedWeights
-        from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
-
-        if self.mode == "ghost":
-            return GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="sum",
-                                                        max_grad_norm=self.clip, use_ghost_clipping=True)
-        if self.mode == "ew":
-            return GradSampleModuleExpandedWeights(model, batch_first=True, loss_reduction="sum")
-        return GradSampleModule(model, batch_first=True, loss_reduction="sum", force_functorch=self.mode == "functorch")
-
     def check(self, batch: Any) -> None:
-        """Before any training, on a real batch: the criterion gives one loss per example, and book-keeping's
-        assumptions about the model hold (they cannot all be read off the layers)."""
-        x, y = batch[0].to(self.flat.device), batch[1].to(self.flat.device)
-        if self.private and self.mode == "bk":
-            self.bk.check(x, y, self._losses)
-            return
-        was_training = self.module.training
-        self.module.eval()
-        try:
-            with torch.no_grad():
-                self._losses(self.module(x), y)
-        finally:
-            self.module.train(was_training)
+        """Before any training, on a real batch: the criterion gives one loss per example, and the strategy's
+        assumptions about the model hold (book-keeping's cannot all be read off the layers)."""
+        self.clipper.check(self._to_device(batch), self._losses)
 
-    def _losses(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        losses = self.criterion(output, y)
+    def _losses(self, module: nn.Module, batch: Any) -> torch.Tensor:
+        """The loss function the clipping strategies call: forward ``module`` on the micro-batch, one loss per example."""
+        x, y = batch
+        losses = self.criterion(module(x), y)
         if losses.dim() != 1 or len(losses) != len(y):
             raise WorkbenchError(f"the criterion must return one loss per example (reduction='none'), not shape "
                                  f"{tuple(losses.shape)} for a batch of {len(y)}")
         return losses
 
-    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Add the micro-batch's (clipped) gradient sum to the flat buffer; return its per-sample losses."""
-        if self.private and self.mode == "bk":
-            return self.bk.accumulate(x, y, self._losses, self.view_of)
-        losses = self._losses(self.module(x), y)
-        if not self.private:
-            losses.sum().backward()
-            for p, view in zip(self.params, self.grad_views):
-                if p.grad is not None:
-                    view.add_(p.grad)
-                    p.grad = None
-            return losses.detach()
-        if self.mode == "ghost":
-            return self._accumulate_ghost(losses)
-        losses.sum().backward()
-        # None: a parameter unused in this forward; its clipped gradient is zero.
-        flat_samples = [(view, p.grad_sample.reshape(len(y), -1)) for p, view in zip(self.params, self.grad_views)
-                        if p.grad_sample is not None]
-        norms = torch.zeros(len(y), device=y.device)
-        if flat_samples:  # vector_norm and addmv_: no full-size temporaries of the per-sample gradients
-            norms = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(gs, dim=1) for _, gs in flat_samples], dim=1), dim=1)
-        factor = (self.clip / (norms + 1e-6)).clamp(max=1.0)
-        for view, gs in flat_samples:
-            view.view(-1).addmv_(gs.t(), factor)
-        for p in self.params:
-            p.grad_sample = None
-            p.grad = None
-        return losses.detach()
+    def _to_device(self, batch: Any) -> Any:
+        return batch[0].to(self.flat.device, non_blocking=True), batch[1].to(self.flat.device, non_blocking=True)
 
-    def _accumulate_ghost(self, losses: torch.Tensor) -> torch.Tensor:
-        # Ghost clipping: a first backward yields per-sample norms without materialising per-sample gradients, a
-        # second backward of the clip-weighted loss yields the clipped sum directly.
-        losses.sum().backward(retain_graph=True)
-        norms = torch.zeros(len(losses), device=losses.device)
-        for p in self.params:
-            ns = getattr(p, "_norm_sample", None)
-            if ns is not None:
-                norms.add_(ns.pow(2))
-                p._norm_sample = None
-            p.grad = None
-        factor = (self.clip / (norms.sqrt() + 1e-6)).clamp(max=1.0)
-        self.module.disable_hooks()
-        try:
-            (factor.detach() * losses).sum().backward()
-        finally:
-            self.module.enable_hooks()
-        for p, view in zip(self.params, self.grad_views):
-            if p.grad is not None:
-                view.add_(p.grad)
-                p.grad = None
-        return losses.detach()
+    def _micro_batches(self, batch: Any):
+        x, y = batch
+        for start in range(0, len(y), self.max_physical_batch_size):
+            yield x[start:start + self.max_physical_batch_size], y[start:start + self.max_physical_batch_size]
 
     def __call__(self, batch: Any, step: int) -> tuple[float, float]:
         """Fill each parameter's .grad with the noised clipped sum; return the cluster-wide (loss sum, example count)."""
         self.flat.zero_()
         for p in self.params:  # a .grad left from outside (no zero_grad) must not leak unclipped into the backward modes
             p.grad = None
-        if batch is not None:
-            x, y = batch[0].to(self.flat.device, non_blocking=True), batch[1].to(self.flat.device, non_blocking=True)
-            for start in range(0, len(y), self.max_physical_batch_size):
-                end = start + self.max_physical_batch_size
-                losses = self._accumulate(x[start:end], y[start:end])
+        if batch is not None:  # 1-2: per-sample gradients, clipped and summed into the flat buffer
+            for micro_batch in self._micro_batches(self._to_device(batch)):
+                losses = self.clipper.accumulate(micro_batch, self._losses, self.view_of)
                 self.loss_sum.add_(losses.sum())
                 self.count.add_(len(losses))
         if self.private and self.sigma > 0 and self.dist.rank == 0:
