@@ -3,7 +3,7 @@
 The submitting process fixes everything a job needs before submission: the resolved config, one run folder, the Hydra
 context (choices, overrides, sweep folder) and the MLflow run. Every rank of the job then runs :func:`workbench.train`
 on that same config; nothing is re-composed in the job. On preemption or timeout submitit calls
-:meth:`Job.checkpoint`, which requeues the job with ``resume_from_checkpoint=latest``.
+:meth:`Job.checkpoint`, which requeues the job with ``resume_from_checkpoint=latest_or_new``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from workbench import config
+from workbench import checkpoint, config
 from workbench.errors import WorkbenchError
 from workbench.tracking import scrub
 
@@ -94,7 +94,7 @@ class Job:
         import submitit
 
         cfg = OmegaConf.create(self.cfg_yaml)
-        cfg.resume_from_checkpoint = "latest"
+        cfg.resume_from_checkpoint = "latest_or_new"  # preempted before its first checkpoint: starts afresh
         return submitit.helpers.DelayedSubmission(Job(OmegaConf.to_yaml(cfg)))
 
 
@@ -142,6 +142,7 @@ def submit(cfg: DictConfig) -> Any:
     output_dir = config.resolve_output_dir(cfg)
     cfg.output_dir = str(output_dir)
     config.check_writable(output_dir)
+    checkpoint.check_folder(output_dir, cfg.resume_from_checkpoint)
     executor = _executor(cfg, output_dir / "submitit")
     tracker = make_tracker(cfg, is_main=True)
     problem = tracker.check()

@@ -78,12 +78,11 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None) -> TrainResu
     try:
         _quiet_unless(d.should_log)
         tracker = make_tracker(cfg, d.is_main)
-        problem = d.broadcast_object(tracker.check())  # an unusable store is refused on every rank, before any work
-        if problem:
-            raise WorkbenchError(problem)
+        _refuse_everywhere(d, tracker.check)
         cfg.output_dir = d.broadcast_object(str(config.resolve_output_dir(cfg)))  # one run folder for every rank
         output_dir = Path(cfg.output_dir)
         config.check_writable(output_dir)
+        _refuse_everywhere(d, lambda: checkpoint.check_folder(output_dir, cfg.resume_from_checkpoint))
         job = _build(cfg, d, compute_metrics)
         tags = {"backend": d.backend, "ddp_shard": cfg.ddp_shard, "world_size": d.world_size, "git_sha": git_sha(),
                 "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags}
@@ -98,6 +97,19 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None) -> TrainResu
         raise
     finally:
         distributed.teardown(d)
+
+
+def _refuse_everywhere(d: distributed.Dist, check: Callable[[], str | None]) -> None:
+    """Run a check on rank 0 (a message, None, or a WorkbenchError) and raise its refusal on every rank alike."""
+    problem = None
+    if d.is_main:
+        try:
+            problem = check()
+        except WorkbenchError as e:
+            problem = str(e)
+    problem = d.broadcast_object(problem)
+    if problem:
+        raise WorkbenchError(problem)
 
 
 def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None) -> dict[str, Any]:
