@@ -18,11 +18,17 @@ config.register()
 def main(cfg: DictConfig) -> None:
     from workbench.launch import launch
 
+    from workbench.interrupt import Interrupted, resume_hint
+
     try:
         launch(cfg)
     except WorkbenchError as e:  # Hydra would print a traceback: bad input gets one line and exit code 2
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Interrupted as e:  # SIGTERM / SIGINT: one line, the shell's exit code for that signal
+        if os.environ.get("RANK", "0") == "0":  # the job's one line, not one per rank
+            print(resume_hint(e, [a for a in sys.argv[1:] if not a.startswith(("hydra.", "hydra/"))]), file=sys.stderr)
+        sys.exit(128 + e.signum)
 
 
 def _non_zero_rank_overrides() -> list[str]:

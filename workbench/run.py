@@ -19,7 +19,8 @@ from torch import nn
 
 from workbench import checkpoint, config, data, distributed, privacy
 from workbench.errors import WorkbenchError
-from workbench.tracking import git_sha, make_tracker, ui_command
+from workbench.interrupt import Interrupted, ignore_further, signals_interrupt
+from workbench.tracking import end_if_abandoned, git_sha, make_tracker, ui_command
 from workbench.clipping import check_model
 from workbench.trainer import Evaluator, GradientStep, History, Trainer, lr_lambda
 
@@ -73,8 +74,14 @@ def _quiet_unless(should_log: bool) -> None:
 def train(cfg: DictConfig, compute_metrics: Callable | None = None) -> TrainResult:
     """Run one job in this process (joining the job's process group when there is one)."""
     config.validate(cfg)
+    with signals_interrupt():
+        return _train(cfg, compute_metrics)
+
+
+def _train(cfg: DictConfig, compute_metrics: Callable | None) -> TrainResult:
     d = distributed.setup(cfg.ddp_backend, cfg.ddp_timeout, cfg.log_on_each_node, cfg.save_on_each_node)
     tracker = None
+    run_id = None
     try:
         _quiet_unless(d.should_log)
         tracker = make_tracker(cfg, d.is_main)
@@ -92,8 +99,14 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None) -> TrainResu
         d.barrier()  # ranks leave together: one tearing its gloo connections down under a busy peer can abort
         return result
     except BaseException as e:
-        if tracker is not None:
-            tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        ignore_further()
+        status = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED"
+        if isinstance(e, Interrupted):
+            e.output_dir = cfg.output_dir
+        if d.is_main and tracker is not None:
+            tracker.finish(status)
+        elif run_id and cfg.tracking.enabled:  # rank 0 may be dead (SIGKILL): a survivor ends the run it left RUNNING
+            end_if_abandoned(cfg, run_id, status)
         raise
     finally:
         distributed.teardown(d)

@@ -295,7 +295,8 @@ class MlflowTracker(NullTracker):
         if self.outbox is None:
             return
         self.outbox.put(("status", status))
-        self.outbox.drain(self.cfg.tracking.flush_timeout)
+        # A killed job has seconds before SIGKILL follows (torchrun, SLURM): spool sooner rather than be cut off.
+        self.outbox.drain(self.cfg.tracking.flush_timeout if status == "FINISHED" else min(self.cfg.tracking.flush_timeout, 10))
         unsent = self.outbox.close()
         self._persist(unsent)
         tidy(self.run_folder)
@@ -342,6 +343,25 @@ class MlflowTracker(NullTracker):
             self.finish(status)
         elif self.outbox is not None:
             self.outbox.close()
+
+
+def end_if_abandoned(cfg: DictConfig, run_id: str, status: str, grace: float = 5.0) -> None:
+    """On a rank other than 0 that is failing: if rank 0 has not ended the run within `grace` seconds (it may have
+    been killed outright), end it here. Never raises: the rank's own error is what matters."""
+    try:
+        for key, value in FAST_FAIL_ENV.items():
+            os.environ.setdefault(key, value)
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=tracking_uri(cfg.tracking.uri))
+        deadline = time.monotonic() + grace
+        while client.get_run(run_id).info.status == "RUNNING":
+            if time.monotonic() > deadline:
+                client.set_terminated(run_id, status=status)
+                return
+            time.sleep(0.5)
+    except Exception as e:  # noqa: BLE001
+        log.debug("could not check the run's status: %s", e)
 
 
 def logged_until(client, run_id: str) -> dict[str, int]:

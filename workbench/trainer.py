@@ -276,6 +276,9 @@ class Trainer:
                 if cfg.save_steps and step % cfg.save_steps == 0 and step < self.total_steps:
                     logger.flush()
                     self.save_fn(step)
+        except KeyboardInterrupt as e:  # SIGINT / SIGTERM (workbench.interrupt): say where the run stopped
+            e.step = step
+            raise
         finally:
             self.history = logger.close()
             bar.close()
