@@ -24,8 +24,9 @@ ARGS = ["experiment=quick", "data.train._target_=tests.plugins.SlowSynthetic", "
 def _start(tmp_path: Path, *cmd: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WB_FETCH_SLEEP": "0.1",
            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    return subprocess.Popen([sys.executable, *cmd], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # WB_TEST_JOB marks this job's processes (submitit's local ranks are not the launcher's children).
+    return subprocess.Popen(["sh", "-c", 'WB_TEST_JOB=$$ exec "$@"', "sh", sys.executable, *cmd], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path) -> None:
@@ -41,21 +42,23 @@ def _statuses(tmp_path: Path) -> list[str]:
     return [r.info.status for r in client.search_runs([client.get_experiment_by_name("workbench").experiment_id])]
 
 
-def _rank_pids(torchrun: subprocess.Popen) -> dict[int, int]:
-    """The worker processes torchrun started, by rank (read from their environment)."""
+def _rank_pids(launcher: subprocess.Popen, rank_var: str = "RANK") -> dict[int, int]:
+    """The rank processes a launcher (torchrun, submitit's local executor) started, by rank (from their environment)."""
     deadline = time.monotonic() + 120
     while True:
         found = {}
-        for child in Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children").read_text().split():
+        for child in [p.name for p in Path("/proc").iterdir() if p.name.isdigit()]:
             try:
                 env = dict(kv.split("=", 1) for kv in Path(f"/proc/{child}/environ").read_text().split("\0") if "=" in kv)
-            except OSError:
+                if env.get("WB_TEST_JOB") != str(launcher.pid):  # not one of this test's processes
+                    continue
+            except OSError:  # ProcessLookupError included: a process that just ended
                 continue
-            if "RANK" in env:
-                found[int(env["RANK"])] = int(child)
+            if rank_var in env:
+                found[int(env[rank_var])] = int(child)
         if len(found) == 2:
             return found
-        assert time.monotonic() < deadline, "torchrun did not start two ranks"
+        assert time.monotonic() < deadline, "the launcher did not start two ranks"
         time.sleep(0.2)
 
 
@@ -118,3 +121,16 @@ def test_sigterm_to_the_torchrun_job_ends_the_run_killed(tmp_path):
         _kill_group(proc)
     assert proc.returncode != 0
     assert _statuses(tmp_path) == ["KILLED"]
+
+
+def test_local_launcher_rank_zero_killed_leaves_the_run_failed(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(tmp_path, "-m", "workbench", *ARGS, "launcher=local", "launcher.nprocs=2", f"output_dir={run_dir}")
+    try:
+        _wait_for_checkpoint(proc, run_dir)
+        os.kill(_rank_pids(proc, "SUBMITIT_LOCAL_GLOBALID")[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 2 and "failed" in err.strip().splitlines()[-1]
+    assert _statuses(tmp_path) == ["FAILED"]
