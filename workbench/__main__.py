@@ -17,11 +17,13 @@ config.register()
 @hydra.main(version_base="1.3", config_path=str(config.CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     from workbench.launch import launch
+    from workbench.sweep import point_configs
 
     from workbench.interrupt import Interrupted, resume_hint
 
     try:
-        launch(cfg)
+        for job_cfg in point_configs(cfg):  # one; under sweep.tuning=random_stopping, the trials drawn for this point
+            launch(job_cfg)
     except WorkbenchError as e:  # Hydra would print a traceback: bad input gets one line and exit code 2
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

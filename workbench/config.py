@@ -33,7 +33,7 @@ REFUSED_KNOBS = ("split_batches", "dispatch_batches", "even_batches", "use_seeda
 PRIVACY_FIELDS = (
     "per_device_train_batch_size", "max_steps", "num_train_epochs", "seed", "data_seed", "ddp_shard",
     "privacy.enabled", "privacy.accountant", "privacy.target_epsilon", "privacy.target_delta",
-    "privacy.noise_multiplier", "privacy.max_grad_norm", "privacy.secure_seed", "data",
+    "privacy.noise_multiplier", "privacy.max_grad_norm", "privacy.secure_seed", "data", "audit",
 )
 
 
@@ -54,6 +54,13 @@ class PrivacyConfig:
 
 
 @dataclass
+class AuditConfig:
+    enabled: bool = False  # audit=canaries: the one-run privacy audit (workbench/audit.py)
+    canaries: int = 1000
+    significance: float = 0.05
+
+
+@dataclass
 class TrackingConfig:
     enabled: bool = True
     uri: Optional[str] = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db
@@ -67,6 +74,22 @@ class TrackingConfig:
     # Set by launchers and sweeps, rarely by hand: continue this MLflow run; the multirun folder (-> parent run).
     run_id: Optional[str] = None
     sweep_dir: Optional[str] = None
+
+
+@dataclass
+class SweepConfig:
+    """What a multirun sweep's parent run reports (workbench/sweep.py)."""
+
+    metrics: Dict[str, str] = field(default_factory=lambda: {"eval_accuracy": "max"})  # best point by: max | min
+    # all: every point may be published (cost: sweep_epsilon_all). random_stopping: the driver runs K trials, K drawn
+    # from `trials` (poisson: mean poisson_mean; truncated_negative_binomial: tnb_eta, tnb_gamma), each a uniformly
+    # drawn point, and only the best is published (cost: sweep_epsilon_best, Papernot & Steinke 2022).
+    tuning: str = "all"
+    trials: str = "poisson"
+    poisson_mean: float = 3.0
+    tnb_eta: float = 0.0
+    tnb_gamma: float = 0.2
+    seed: Optional[int] = None  # the draw of K and of the points (None: fresh randomness)
 
 
 @dataclass
@@ -101,6 +124,9 @@ class WorkbenchConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
+    callbacks: List[Any] = field(default_factory=list)  # Hydra `_target_` objects (workbench/callbacks.py)
 
     # Hugging Face TrainingArguments names.
     output_dir: Optional[str] = None  # None: Hydra's run dir from the CLI, else ./outputs/<timestamp>
@@ -194,6 +220,9 @@ def validate(cfg: DictConfig) -> None:
         raise WorkbenchError(f"privacy.target_delta must be in (0, 1), got {p.target_delta}")
     if p.accountant not in ("pld", "rdp", "prv"):
         raise WorkbenchError(f"privacy.accountant={p.accountant!r} is unknown; choose one of pld, rdp, prv")
+    if cfg.audit.canaries < 1 or not 0 < cfg.audit.significance < 1:
+        raise WorkbenchError(f"audit.canaries must be >= 1 and audit.significance in (0, 1), got "
+                             f"{cfg.audit.canaries} and {cfg.audit.significance}")
     if cfg.launcher.nprocs is not None and cfg.launcher.nprocs < 1:
         raise WorkbenchError(f"launcher.nprocs must be >= 1, got {cfg.launcher.nprocs}")
     if cfg.launcher.name not in ("inline", "local", "slurm"):

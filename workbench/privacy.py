@@ -300,13 +300,7 @@ class Accountant:
         if self.noise_multiplier == 0:
             return math.inf
         if self.kind == "pld":
-            d = self.pld_discretization
-            if self._pld_step is None:
-                self._pld_step = _step_pld(_step_event(self.sample_rate, self.noise_multiplier, self.world_size,
-                                                       self.shard), d)
-            # identity().compose(...) reproduces PLDAccountant(d).compose(event).get_epsilon(delta) bit for bit
-            composed = _pld.identity(value_discretization_interval=d).compose(self._pld_step.self_compose(steps))
-            return float(composed.get_epsilon_for_delta(delta))
+            return float(self.pld(steps).get_epsilon_for_delta(delta))
         if self.kind == "rdp":
             return float(_rdp.RdpAccountant().compose(self.event(steps)).get_epsilon(delta))
         from opacus.accountants import PRVAccountant
@@ -314,6 +308,21 @@ class Accountant:
         prv = PRVAccountant()
         prv.history = [(self.noise_multiplier, self.sample_rate, steps)]
         return float(prv.get_epsilon(delta))
+
+    def pld(self, steps: int) -> _pld.PrivacyLossDistribution:
+        """The privacy loss distribution of ``steps`` steps (whatever ``kind``): what a sweep composes across runs."""
+        d = self.pld_discretization
+        if self._pld_step is None:
+            self._pld_step = _step_pld(_step_event(self.sample_rate, self.noise_multiplier, self.world_size, self.shard), d)
+        # identity().compose(...) reproduces PLDAccountant(d).compose(event).get_epsilon(delta) bit for bit
+        return _pld.identity(value_discretization_interval=d).compose(self._pld_step.self_compose(int(steps)))
+
+    def rdp(self, steps: int, orders) -> np.ndarray:
+        """Renyi DP of ``steps`` steps at each of ``orders`` (``dp_accounting``'s RDP accountant)."""
+        if self.shard == "global" and self.world_size > 1:
+            raise WorkbenchError(f"no RDP accountant for shard=global (parallel Poisson) with world_size={self.world_size}")
+        accountant = _rdp.RdpAccountant(orders=list(orders)).compose(self.event(int(steps)))
+        return np.asarray(accountant._rdp, dtype=float)  # pylint: disable=protected-access
 
     def max_steps(self, target_epsilon: float, delta: float, upper: int) -> int:
         """The largest ``T <= upper`` with ``epsilon(T, delta) <= target_epsilon``; 0 if one step already exceeds it.

@@ -230,8 +230,11 @@ class Trainer:
 
     def __init__(self, cfg, dist: Dist, model: nn.Module, step_fn: GradientStep, optimizer, scheduler, loader,
                  evaluator, accountant, delta: float | None, tracker, expected_batch: float, population: int,
-                 total_steps: int, start_step: int, save_fn: Callable[[int], None]):
+                 total_steps: int, start_step: int, save_fn: Callable[[int], None], callbacks=None):
+        from workbench.callbacks import CallbackList
+
         self.cfg, self.dist, self.model, self.step_fn = cfg, dist, model, step_fn
+        self.callbacks = callbacks or CallbackList([], model, [], total_steps)
         self.optimizer, self.scheduler, self.loader, self.evaluator = optimizer, scheduler, loader, evaluator
         self.accountant, self.delta, self.tracker = accountant, delta, tracker
         self.population = population
@@ -248,11 +251,13 @@ class Trainer:
         logger = StepLogger(self.tracker, self.accountant if self.dist.is_main else None, self.delta)
         window_loss, window_count, window_start = 0.0, 0.0, time.perf_counter()
         self.model.train()
+        self.callbacks.on_train_begin(step)
         try:
             for batch in self.loader:
                 loss_sum, count = self.step_fn(batch, step)
                 self.step_fn.divide_(self.expected_batch)
                 self.optimizer.step()
+                self.callbacks.on_step_end(step + 1)  # p.grad is still the released update here
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scheduler.step()
                 if self.accountant is not None:
@@ -276,6 +281,7 @@ class Trainer:
                 if cfg.save_steps and step % cfg.save_steps == 0 and step < self.total_steps:
                     logger.flush()
                     self.save_fn(step)
+            self.callbacks.on_train_end(step)
         except KeyboardInterrupt as e:  # SIGINT / SIGTERM (workbench.interrupt): say where the run stopped
             e.step = step
             raise
