@@ -183,23 +183,30 @@ class MlflowTracker(NullTracker):
         self.cfg = cfg
         self.uri = tracking_uri(cfg.tracking.uri)
         # Found before a client exists (it would raise a traceback, or create a store); reported by check().
-        self.problem = ("tracking.experiment_name must not be empty"
-                        if not str(cfg.tracking.experiment_name or "").strip() else uri_problem(self.uri))
-        if not self.problem:
-            init_store(self.uri)
-        self.client = None if self.problem else mlflow.MlflowClient(tracking_uri=self.uri)
+        self.problem = uri_problem(self.uri)
+        self._client = None
         self.run_id = None
         self.spooled = None
         self.outbox: Outbox | None = None
         # Staged artifacts and the spool live in the run folder (a temporary one for a tracker used on its own).
-        self.run_folder = cfg.output_dir or tempfile.mkdtemp(prefix="workbench-tracking-")
+        self.run_folder = cfg.get("output_dir") or tempfile.mkdtemp(prefix="workbench-tracking-")
         self._spool_files: list[Path] = []  # this run's spool files on disk (written or replayed by this tracker)
         self.logged_until = {"loss": -1, "steps": -1, "eval_loss": -1}
+
+    @property
+    def client(self):
+        """Made on first use: opening a SQLite store creates it, which a refused config must not do."""
+        if self._client is None:
+            init_store(self.uri)
+            self._client = self.mlflow.MlflowClient(tracking_uri=self.uri)
+        return self._client
 
     def check(self) -> str | None:
         """Why this run cannot be tracked (one line), found within CHECK_TIMEOUT seconds; None when it can."""
         import threading
 
+        if not str(self.cfg.tracking.experiment_name or "").strip():  # checked before any store is opened
+            return "tracking.experiment_name must not be empty"
         if self.problem:
             return self.problem
         answer: list[str | None] = []
@@ -276,7 +283,7 @@ class MlflowTracker(NullTracker):
         if _retry(lambda: self.client.get_run(run_id)).data.params:
             return
         container = redacted(self.cfg)
-        self.outbox.put(("params", {k: str(v)[:6000] for k, v in flatten(container).items()}))
+        self._put(("params", {k: str(v)[:6000] for k, v in flatten(container).items()}))
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "config.yaml"
             path.write_text(OmegaConf.to_yaml(OmegaConf.create(container)))
@@ -284,6 +291,13 @@ class MlflowTracker(NullTracker):
 
     def _send(self, op: tuple) -> None:
         send(self.client, self.run_id, op)
+
+    def _put(self, op: tuple) -> None:
+        """Queue a write; a tracker used on an existing run without start() (a sweep's parent) writes at once."""
+        if self.outbox is None:
+            self._send(op)
+        else:
+            self.outbox.put(op)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         self.log_many([(metrics, step)])
@@ -293,10 +307,10 @@ class MlflowTracker(NullTracker):
         fresh = only_new(lines, self.logged_until)
         if fresh:
             ms = int(time.time() * 1000)
-            self.outbox.put(("metrics", [[{k: float(v) for k, v in m.items()}, step or 0, ms] for m, step in fresh]))
+            self._put(("metrics", [[{k: float(v) for k, v in m.items()}, step or 0, ms] for m, step in fresh]))
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        self.outbox.put(stage(self.run_folder, path, artifact_path))
+        self._put(stage(self.run_folder, path, artifact_path))
 
     def log_figure(self, figure, name: str) -> None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -304,14 +318,14 @@ class MlflowTracker(NullTracker):
             self.log_artifact(Path(tmp) / name)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        self.outbox.put(("tags", {k: scrub(str(v)) for k, v in tags.items()}))
+        self._put(("tags", {k: scrub(str(v)) for k, v in tags.items()}))
 
     def finish(self, status: str = "FINISHED") -> None:
         """End the run: everything queued is sent within tracking.flush_timeout seconds, else spooled to the run
         folder (``self.spooled``) for ``python -m workbench.tracking sync``. Never raises, never hangs."""
         if self.outbox is None:
             return
-        self.outbox.put(("status", status))
+        self._put(("status", status))
         # A killed job has seconds before SIGKILL follows (torchrun, SLURM): spool sooner rather than be cut off.
         self.outbox.drain(self.cfg.tracking.flush_timeout if status == "FINISHED" else min(self.cfg.tracking.flush_timeout, 10))
         unsent = self.outbox.close()
@@ -347,7 +361,7 @@ class MlflowTracker(NullTracker):
             for op in ops:
                 if op[0] == "metrics":
                     op = unsent_lines(op, self.logged_until)
-                self.outbox.put(op)
+                self._put(op)
             self._spool_files.append(path)
 
     def finish_if_running(self, status: str) -> None:
