@@ -31,9 +31,11 @@ def make_cfg(tmp_path, mlflow_uri):
     """Compose the real conf/ with overrides, pointed at a temporary run folder and MLflow store."""
     from workbench import compose
 
-    def make(*overrides: str):
-        return compose([f"output_dir={tmp_path / 'run'}", f"tracking.uri={mlflow_uri}", "disable_tqdm=true",
-                        *overrides])
+    made = []
+
+    def make(*overrides: str):  # a fresh run folder each call (the first is tmp_path/run): runs never share one
+        made.append(tmp_path / ("run" if not made else f"run-{len(made) + 1}"))
+        return compose([f"output_dir={made[-1]}", f"tracking.uri={mlflow_uri}", "disable_tqdm=true", *overrides])
 
     return make
 

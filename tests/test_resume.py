@@ -66,6 +66,14 @@ def test_resume_refusals(tmp_path, mlflow_uri):
     with pytest.raises(WorkbenchError, match="does not exist"):
         launch(cfg(f"output_dir={tmp_path / 'x'}", f"resume_from_checkpoint={tmp_path / 'nope.pt'}"))
 
+    # Run folders are never shared by accident: a new run is refused where another one saved checkpoints, and
+    # `latest` with nothing to resume (a mistyped output_dir) is refused instead of spending a second budget.
+    with pytest.raises(WorkbenchError, match="already holds another run's checkpoints"):
+        launch(cfg(f"output_dir={run_dir}"))
+    with pytest.raises(WorkbenchError, match="resume_from_checkpoint=latest: there is no checkpoint"):
+        launch(cfg(f"output_dir={tmp_path / 'typo'}", "resume_from_checkpoint=latest"))
+    assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == ["checkpoint-15.pt", "checkpoint-20.pt"]
+
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(ckpts[-1].read_bytes()[:1000])
     bad = run_cli(*ARGS, f"output_dir={tmp_path / 'y'}", f"resume_from_checkpoint={corrupt}", cwd=tmp_path,
@@ -123,3 +131,54 @@ def test_an_unpinned_run_resumes_with_the_secret_of_its_checkpoint(make_cfg, tmp
     pinned = train(make_cfg(*args, f"output_dir={tmp_path / 'pinned'}", f"privacy.secure_seed={secret}"))
     assert resumed.steps == pinned.steps == 20 and resumed.epsilon == pinned.epsilon
     assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), pinned.model.parameters()))
+
+
+def test_latest_or_new_starts_afresh_then_resumes(make_cfg, mlflow_uri):
+    """What a requeued job uses: a fresh start where nothing was saved yet, the newest checkpoint once there is one."""
+    from workbench import train
+
+    first = train(make_cfg("experiment=quick", "resume_from_checkpoint=latest_or_new"))
+    assert first.steps == 20 and first.checkpoint.name == "checkpoint-20.pt"
+    cfg = make_cfg("experiment=quick", "resume_from_checkpoint=latest_or_new")
+    cfg.output_dir = str(first.output_dir)
+    again = train(cfg)  # resumes at the end: no step retrained, the same run continued
+    assert again.run_id == first.run_id and again.steps == 20
+    assert [m.step for m in MlflowClient(tracking_uri=mlflow_uri).get_metric_history(first.run_id, "loss")] == [5, 10, 15, 20]
+
+
+@pytest.mark.slow
+def test_runs_started_at_once_keep_their_own_folders(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "workbench", "experiment=quick", "max_steps=2", "tracking=off",
+                               "disable_tqdm=true"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for _ in range(8)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-2000:]
+    saved = list((tmp_path / "outputs").rglob("checkpoint-2.pt"))
+    assert len(saved) == len({p.parent for p in saved}) == 8
+
+
+def test_full_disk_is_one_line_and_keeps_the_last_good_checkpoint(tmp_path):
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        good = checkpoint.save({"model": {"w": torch.zeros(1000)}, "step": 1}, disk, 1, None)
+        with pytest.raises(WorkbenchError) as refused:
+            checkpoint.save({"model": {"w": torch.zeros(200_000)}, "step": 2}, disk, 2, None)  # 800 kB > 256 kB
+        message = str(refused.value)
+        assert "\n" not in message and "No space left on device" in message
+        assert str(disk / "checkpoints" / "checkpoint-2.pt") in message and str(good) in message
+        assert checkpoint.list_checkpoints(disk) == [good] and checkpoint.load(good)["step"] == 1
+        assert not list((disk / "checkpoints").glob(".*tmp*"))
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

@@ -32,10 +32,16 @@ def refuse(error: WorkbenchError) -> None:
 
 @hydra.main(version_base="1.3", config_path=str(config.CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
+    from workbench.interrupt import Interrupted, resume_hint
+
     try:
         launch_or_clean_up(cfg, _hydra_run_dir())
     except WorkbenchError as e:  # Hydra would print a traceback: bad input gets one line and exit code 2
         refuse(e)
+    except Interrupted as e:  # SIGTERM / SIGINT: one line, the shell's exit code for that signal
+        if os.environ.get("RANK", "0") == "0":  # the job's one line, not one per rank
+            print(resume_hint(e, [a for a in sys.argv[1:] if not a.startswith(("hydra.", "hydra/"))]), file=sys.stderr)
+        sys.exit(128 + e.signum)
 
 
 def launch_or_clean_up(cfg: DictConfig, hydra_dir: Path | None = None):

@@ -40,10 +40,18 @@ def save(state: dict[str, Any], output_dir: str | Path, step: int, save_total_li
     path = folder / f"{PREFIX}{step}.pt"
     tmp = folder / f".{path.name}.tmp-{os.getpid()}"
     try:
-        torch.save(state, tmp)
-        with open(tmp, "rb") as f:
+        with open(tmp, "wb") as f:  # a file object, so that a full disk is an OSError, not a zip writer's riddle
+            torch.save(state, f)
+            f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        cause = _os_error(e)
+        if cause is None:
+            raise
+        previous = list_checkpoints(output_dir)
+        kept = f"; the last good checkpoint is {previous[-1]}" if previous else ""
+        raise WorkbenchError(f"could not write checkpoint {path}: {cause.strerror or cause}{kept}") from None
     finally:
         tmp.unlink(missing_ok=True)
     if save_total_limit is not None:
@@ -52,10 +60,23 @@ def save(state: dict[str, Any], output_dir: str | Path, step: int, save_total_li
     return path
 
 
+def _os_error(error: BaseException | None) -> OSError | None:
+    """The OSError behind a failed write (torch's zip writer reports it as a RuntimeError raised while closing)."""
+    while error is not None and not isinstance(error, OSError):
+        error = error.__cause__ or error.__context__
+    return error
+
+
 def resolve(resume_from: str, output_dir: str | Path) -> Path | None:
-    """`latest` -> newest checkpoint under output_dir (None when there is none yet); a path must exist."""
-    if resume_from == "latest":
+    """`latest` -> newest checkpoint under output_dir, refused when there is none (a mistyped output_dir would
+    otherwise start afresh and spend a second privacy budget); `latest_or_new` -> the same, or None (a requeued job
+    that may not have saved yet); a path must exist."""
+    if resume_from in ("latest", "latest_or_new"):
         found = list_checkpoints(output_dir)
+        if not found and resume_from == "latest":
+            raise WorkbenchError(f"resume_from_checkpoint=latest: there is no checkpoint in {checkpoint_dir(output_dir)}; "
+                                 "check output_dir, or use resume_from_checkpoint=latest_or_new to start afresh when "
+                                 "there is none")
         return found[-1] if found else None
     path = Path(resume_from).expanduser()
     if path.is_dir():
@@ -66,6 +87,15 @@ def resolve(resume_from: str, output_dir: str | Path) -> Path | None:
     if not path.is_file():
         raise WorkbenchError(f"resume_from_checkpoint={resume_from!r} does not exist")
     return path
+
+
+def check_folder(output_dir: str | Path, resume_from: str | None) -> None:
+    """Before any work: a new run never writes over another run's checkpoints, and a resume has something to resume."""
+    if resume_from:
+        resolve(resume_from, output_dir)
+    elif found := list_checkpoints(output_dir):
+        raise WorkbenchError(f"output_dir {str(output_dir)!r} already holds another run's checkpoints ({found[-1].name}); "
+                             "continue that run with resume_from_checkpoint=latest, or choose another output_dir")
 
 
 def load(path: Path) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import hashlib
 import json
 import math
 import os
-import time
+from datetime import datetime
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, get_type_hints
@@ -72,6 +72,9 @@ class TrackingConfig:
     experiment_name: str = "workbench"
     run_name: Optional[str] = None
     log_checkpoints: bool = True
+    # Seconds the end of a run waits for a slow or dead server; then what is unsent goes to <output_dir>/tracking-spool/
+    # (upload it later with `python -m workbench.tracking sync <output_dir>`).
+    flush_timeout: float = 30.0
     tags: Dict[str, str] = field(default_factory=dict)
     # Set by launchers and sweeps, rarely by hand: continue this MLflow run; the multirun folder (-> parent run).
     run_id: Optional[str] = None
@@ -147,7 +150,9 @@ class WorkbenchConfig:
     eval_steps: Optional[int] = None  # None: evaluate once, at the end
     save_steps: Optional[int] = None  # None: one checkpoint, at the end
     save_total_limit: Optional[int] = 2
-    resume_from_checkpoint: Optional[str] = None  # a path, or "latest" (newest under output_dir)
+    # A path, "latest" (newest under output_dir; refused when there is none) or "latest_or_new" (the same, or a fresh
+    # start: for requeued jobs). Without it, an output_dir that holds checkpoints is refused.
+    resume_from_checkpoint: Optional[str] = None
     disable_tqdm: bool = False
     log_on_each_node: bool = True
     save_on_each_node: bool = False
@@ -175,6 +180,8 @@ class WorkbenchConfig:
 
 def register() -> None:
     ConfigStore.instance().store(name="workbench_schema", node=WorkbenchConfig)
+    # ${workbench_pid:} in hydra.run.dir: with microseconds, a run folder no other run on this machine shares.
+    OmegaConf.register_new_resolver("workbench_pid", os.getpid, replace=True)
 
 
 # Nodes whose keys are a user object's own keyword arguments (a model's, dataset's, optimizer's, criterion's) or
@@ -320,7 +327,8 @@ def resolve_output_dir(cfg: DictConfig) -> Path:
 
             cfg.output_dir = HydraConfig.get().runtime.output_dir
         except ValueError:  # not inside a Hydra app (notebook, API)
-            cfg.output_dir = str(Path("outputs") / time.strftime("%Y-%m-%d/%H-%M-%S"))
+            # Unique even for runs started in the same second (Hydra's folder has the same suffix: conf/config.yaml).
+            cfg.output_dir = str(Path("outputs") / datetime.now().strftime(f"%Y-%m-%d/%H-%M-%S-%f-{os.getpid()}"))
     path = Path(cfg.output_dir).expanduser().resolve()
     return path
 

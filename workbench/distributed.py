@@ -201,11 +201,14 @@ class Dist:
             yield
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = e
-        failures = [(r, msg) for r, msg in enumerate(self.all_gather_object(None if error is None else repr(error)))
-                    if msg is not None]
+        report = None if error is None else (str(error) if isinstance(error, WorkbenchError) else repr(error),
+                                             isinstance(error, WorkbenchError))
+        failures = [(r, rep) for r, rep in enumerate(self.all_gather_object(report)) if rep is not None]
         if failures:
-            detail = "; ".join(f"rank {r}: {msg}" for r, msg in failures)
-            raise RuntimeError(f"{name} failed on {detail}") from error
+            detail = "; ".join(f"rank {r}: {msg}" for r, (msg, _) in failures)
+            # Refusals that explain themselves (a full disk, say) stay one line; anything else keeps its traceback.
+            kind = WorkbenchError if all(known for _, (_, known) in failures) else RuntimeError
+            raise kind(f"{name} failed on {detail}") from error
 
     def barrier(self) -> None:
         if self.distributed:

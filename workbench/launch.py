@@ -3,7 +3,7 @@
 The submitting process fixes everything a job needs before submission: the resolved config, one run folder, the Hydra
 context (choices, overrides, sweep folder) and the MLflow run. Every rank of the job then runs :func:`workbench.train`
 on that same config; nothing is re-composed in the job. On preemption or timeout submitit calls
-:meth:`Job.checkpoint`, which requeues the job with ``resume_from_checkpoint=latest``.
+:meth:`Job.checkpoint`, which requeues the job with ``resume_from_checkpoint=latest_or_new``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from workbench import config
+from workbench import checkpoint, config
 from workbench.errors import WorkbenchError
+from workbench.tracking import scrub
 
 log = logging.getLogger("workbench")
 
@@ -38,7 +39,7 @@ def hydra_context(cfg: DictConfig) -> None:
     tags = {f"hydra/{k}": v for k, v in hc.runtime.choices.items() if v is not None and not k.startswith("hydra/")}
     overrides = [o for o in hc.overrides.task if not o.startswith(("hydra.", "hydra/"))]
     if overrides:
-        tags["overrides"] = " ".join(overrides)
+        tags["overrides"] = scrub(" ".join(overrides))
     with open_dict(cfg):
         for k, v in tags.items():
             cfg.tracking.tags.setdefault(k, str(v))
@@ -94,7 +95,7 @@ class Job:
         import submitit
 
         cfg = OmegaConf.create(self.cfg_yaml)
-        cfg.resume_from_checkpoint = "latest"
+        cfg.resume_from_checkpoint = "latest_or_new"  # preempted before its first checkpoint: starts afresh
         return submitit.helpers.DelayedSubmission(Job(OmegaConf.to_yaml(cfg)))
 
 
@@ -143,8 +144,12 @@ def submit(cfg: DictConfig) -> Any:
     output_dir = config.resolve_output_dir(cfg)
     cfg.output_dir = str(output_dir)
     config.check_writable(output_dir)
+    checkpoint.check_folder(output_dir, cfg.resume_from_checkpoint)
     executor = _executor(cfg, output_dir / "submitit")
     tracker = make_tracker(cfg, is_main=True)
+    problem = tracker.check()
+    if problem:
+        raise WorkbenchError(problem)
     tracker.start({"launcher": cfg.launcher.name, "status": "submitted", **cfg.tracking.tags},
                   sweep_dir=cfg.tracking.sweep_dir, pending=True)
     cfg.tracking.run_id = tracker.run_id
@@ -159,6 +164,7 @@ def submit(cfg: DictConfig) -> Any:
     print(f"submitted job {job.job_id} ({cfg.launcher.name}) run folder {output_dir}"
           + (f" MLflow run {tracker.run_id}" if tracker.run_id else ""), flush=True)
     if not cfg.launcher.wait:
+        tracker.flush()  # the job_id tag reaches MLflow (or the spool) before this process leaves
         return job
     try:
         results = job.results()
@@ -170,5 +176,6 @@ def submit(cfg: DictConfig) -> Any:
     main = next(r for r in results if r["rank"] == 0)
     print(closing_line(main["metrics"], main["epsilon"], main["delta"], main["steps"], main["run_id"],
                        main["tracking_uri"], job_id=job.job_id, audit=main["audit"]), flush=True)
+    tracker.finish_if_running("FINISHED")  # the job ended its run; this sends what the launcher queued, then closes
     return main
 

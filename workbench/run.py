@@ -8,7 +8,6 @@ import logging
 import math
 import secrets
 import tempfile
-import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,11 +23,15 @@ from workbench import callbacks as callbacks_
 from workbench.audit import AuditResult
 from workbench.canaries import CanaryAudit
 from workbench.errors import WorkbenchError
-from workbench.tracking import git_sha, make_tracker, ui_command
+from workbench.interrupt import Interrupted, ignore_further, signals_interrupt
+from workbench.tracking import end_if_abandoned, git_sha, make_tracker, ui_command
 from workbench.clipping import check_model
 from workbench.trainer import Evaluator, GradientStep, History, Trainer, lr_lambda
 
 log = logging.getLogger("workbench")
+
+# Checkpoint entries that stay in the run folder and never reach MLflow (see _fit).
+PRIVATE_STATE = ("secret", "privacy_digest")
 
 
 @dataclass
@@ -96,46 +99,64 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: l
     """Run one job in this process (joining the job's process group when there is one). ``callbacks``: objects with
     ``on_step_end(state)`` and friends (workbench/callbacks.py), after those in ``cfg.callbacks``."""
     config.validate(cfg)
+    with signals_interrupt():
+        return _train(cfg, compute_metrics, callbacks)
+
+
+def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | None) -> TrainResult:
     d = distributed.setup(cfg.ddp_backend, cfg.ddp_timeout, cfg.log_on_each_node, cfg.save_on_each_node)
     tracker = None
+    run_id = None
     try:
         _quiet_unless(d.should_log)
+        tracker = make_tracker(cfg, d.is_main)
+        _refuse_everywhere(d, tracker.check)
         cfg.output_dir = d.broadcast_object(str(config.resolve_output_dir(cfg)))  # one run folder for every rank
         output_dir = Path(cfg.output_dir)
         config.check_writable(output_dir)
+        _refuse_everywhere(d, lambda: checkpoint.check_folder(output_dir, cfg.resume_from_checkpoint))
         job = _build(cfg, d, compute_metrics, callbacks or [])
-
-        def started_tracker():
-            tracker = make_tracker(cfg, d.is_main)
-            tags = {"backend": d.backend, "ddp_shard": cfg.ddp_shard, "world_size": d.world_size, "git_sha": git_sha(),
-                    "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags}
-            tracker.start({**tags, "status": "running"}, run_id=job["resume_run_id"] or cfg.tracking.run_id,
-                          sweep_dir=cfg.tracking.sweep_dir)
-            if job["accountant"] is not None:  # what a sweep composes, known even if the run fails before its summary
-                a = job["accountant"]
-                tracker.set_tags({"workbench.dp_event": json.dumps(dict(
-                    sample_rate=a.sample_rate, noise_multiplier=a.noise_multiplier, world_size=a.world_size,
-                    shard=a.shard, planned_steps=job["total_steps"], delta=job["delta"]))})
-            return tracker
-
-        if d.distributed:  # every rank needs the run id before its first checkpoint: start it now, share it
-            tracker = started_tracker()
-            run_id = d.broadcast_object(tracker.run_id)
-            result = _fit(cfg, d, job, tracker, lambda: run_id, output_dir)
-        else:
-            tracker = _StartingTracker(started_tracker) if cfg.tracking.enabled else started_tracker()
-            result = _fit(cfg, d, job, tracker, lambda: tracker.run_id, output_dir)
+        tags = {"backend": d.backend, "ddp_shard": cfg.ddp_shard, "world_size": d.world_size, "git_sha": git_sha(),
+                "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags}
+        tracker.start({**tags, "status": "running"}, run_id=job["resume_run_id"] or cfg.tracking.run_id,
+                      sweep_dir=cfg.tracking.sweep_dir)
+        if job["accountant"] is not None:  # what a sweep composes, known even if the run fails before its summary
+            a = job["accountant"]
+            tracker.set_tags({"workbench.dp_event": json.dumps(dict(
+                sample_rate=a.sample_rate, noise_multiplier=a.noise_multiplier, world_size=a.world_size, shard=a.shard,
+                planned_steps=job["total_steps"], delta=job["delta"]))})
+        run_id = d.broadcast_object(tracker.run_id)
+        result = _fit(cfg, d, job, tracker, run_id, output_dir)
         d.barrier()  # ranks leave together: one tearing its gloo connections down under a busy peer can abort
         return result
     except BaseException as e:
-        if tracker is not None:
+        ignore_further()
+        status = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED"
+        if isinstance(e, Interrupted):
+            e.output_dir = cfg.output_dir
+        if d.is_main and tracker is not None and tracker.run_id:
             tracker.set_tags({"error": (" ".join(f"{type(e).__name__}: {e}".split()))[:500]})
-            tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+            tracker.finish(status)
+        elif run_id and cfg.tracking.enabled:  # rank 0 may be dead (SIGKILL): a survivor ends the run it left RUNNING
+            end_if_abandoned(cfg, run_id, status)
         raise
     finally:
         distributed.teardown(d)
         if tracker is not None and tracker.run_id and cfg.tracking.sweep_dir:
             _sweep_point_ended(cfg.tracking.sweep_dir)
+
+
+def _refuse_everywhere(d: distributed.Dist, check: Callable[[], str | None]) -> None:
+    """Run a check on rank 0 (a message, None, or a WorkbenchError) and raise its refusal on every rank alike."""
+    problem = None
+    if d.is_main:
+        try:
+            problem = check()
+        except WorkbenchError as e:
+            problem = str(e)
+    problem = d.broadcast_object(problem)
+    if problem:
+        raise WorkbenchError(problem)
 
 
 def _sweep_point_ended(sweep_dir: str) -> None:
@@ -146,41 +167,6 @@ def _sweep_point_ended(sweep_dir: str) -> None:
         sweep.point_ended(sweep_dir)
     except Exception as e:  # noqa: BLE001
         log.warning("could not summarise the sweep in %s: %s", sweep_dir, e)
-
-
-class _StartingTracker:
-    """A one-process job's tracker, made and its MLflow run started on a background thread: importing mlflow, opening
-    the store and creating the run (seconds) overlap the first training steps instead of delaying them. Every use
-    waits for the start and re-raises its error; a start that failed has no run to finish."""
-
-    def __init__(self, start: Callable[[], Any]):
-        self._tracker, self._error = None, None
-        self._thread = threading.Thread(target=self._start, args=(start,), name="workbench-tracker-start", daemon=True)
-        self._thread.start()
-
-    def _start(self, start: Callable[[], Any]) -> None:
-        try:
-            self._tracker = start()
-        except BaseException as e:  # noqa: BLE001 - re-raised on first use
-            self._error = e
-
-    def finish(self, status: str = "FINISHED") -> None:
-        self._thread.join()
-        if self._tracker is not None:
-            self._tracker.finish(status)
-        elif status == "FINISHED":
-            raise self._error
-
-    @property
-    def run_id(self) -> str | None:  # a failed start has no run (its error surfaces on the first use that needs one)
-        self._thread.join()
-        return self._tracker.run_id if self._tracker is not None else None
-
-    def __getattr__(self, name: str) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return getattr(self._tracker, name)
 
 
 def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None, extra_callbacks: list) -> dict[str, Any]:
@@ -270,6 +256,9 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
         path = checkpoint.resolve(cfg.resume_from_checkpoint, cfg.output_dir)
         if path is not None:
             state = checkpoint.load(path)
+            if state.get("secret") is None:
+                raise WorkbenchError(f"checkpoint {str(path)!r} has no stream secret (a published copy?); "
+                                     "resume from the run folder's own checkpoint")
             if state.get("privacy_digest") != digest:
                 raise WorkbenchError(f"checkpoint {str(path)!r} was written under a different privacy config "
                                      "(batch, steps, seed, shard, world size, noise, clipping or data differ); refusing to resume")
@@ -279,9 +268,6 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
             if accountant is not None:
                 accountant.load_state_dict(state["accountant"])
             start_step, resume_run_id = int(state["step"]), state.get("run_id")
-            if state.get("secret") is None:
-                raise WorkbenchError(f"checkpoint {str(path)!r} has no stream secret (a published copy?); "
-                                     "resume from the run folder's own checkpoint")
             secret = state["secret"]
             log.info("resuming from %s at step %d", path, start_step)
 
@@ -304,15 +290,14 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
                 metrics_fn=metrics_fn, canaries=canaries, callbacks=job_callbacks)
 
 
-def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id_of: Callable[[], str | None],
-         output_dir: Path) -> TrainResult:
+def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str | None, output_dir: Path) -> TrainResult:
     model, accountant, delta, canaries = job["model"], job["accountant"], job["delta"], job["canaries"]
     last_saved: list[Path | None] = [None]
 
     def state(step: int) -> dict:
         optimizer = job["optimizer"].state_dict()
         return {"model": model.state_dict(), "optimizer": canaries.without_canaries(optimizer) if canaries else optimizer,
-                "scheduler": job["scheduler"].state_dict(), "step": step, "run_id": run_id_of(),
+                "scheduler": job["scheduler"].state_dict(), "step": step, "run_id": run_id,
                 "privacy_digest": job["digest"], "world_size": d.world_size, "secret": job["secret"],
                 "accountant": accountant.state_dict() if accountant is not None else None}
 
@@ -348,19 +333,24 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id_of: Ca
     save(steps)
     if d.is_main:
         if cfg.tracking.log_checkpoints and last_saved[0] is not None:
-            with tempfile.TemporaryDirectory() as tmp:  # the published copy leaves out the stream secret
+            # The published copy leaves out the stream secret, and the privacy digest: it hashes the config with a
+            # pinned secure_seed, so the public config would let a small seed be brute-forced from it.
+            with tempfile.TemporaryDirectory() as tmp:
                 published = Path(tmp) / last_saved[0].name
-                torch.save({k: v for k, v in state(steps).items() if k != "secret"}, published)
+                torch.save({k: v for k, v in state(steps).items() if k not in PRIVATE_STATE}, published)
                 tracker.log_artifact(published, "checkpoints")
         if trainer.history.steps:
             from workbench.plots import training_curves
 
             tracker.log_figure(training_curves(trainer.history), "training_curves.png")
     tracker.finish("FINISHED")
-    run_id = run_id_of()
     uri = tracker.uri if run_id else None
     if d.is_main:
-        print(closing_line(metrics, epsilon, delta, steps, run_id, uri, audit=found), flush=True)
+        line = closing_line(metrics, epsilon, delta, steps, run_id, uri, audit=found)
+        if tracker.spooled:
+            line += (f" | tracking server unreachable: spooled to {tracker.spooled}, upload with "
+                     f"python -m workbench.tracking sync {output_dir}")
+        print(line, flush=True)
     return TrainResult(metrics=metrics, epsilon=epsilon, delta=delta, noise_multiplier=job["sigma"] if accountant else None,
                        sample_rate=job["shard"].sample_rate, steps=steps, run_id=run_id, tracking_uri=uri,
                        output_dir=output_dir, checkpoint=last_saved[0], model=model, history=trainer.history,

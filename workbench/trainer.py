@@ -206,9 +206,12 @@ class StepLogger:
 
     def flush(self) -> None:
         """Wait until every queued line is in the tracker (before a checkpoint: a resumed run then misses none)."""
-        if self._thread.is_alive():
-            self._wake.set()
-            self._queue.join()
+        self._wake.set()
+        done = self._queue.all_tasks_done
+        with done:  # not Queue.join(): a worker that stopped on an error never marks later lines done
+            while self._queue.unfinished_tasks and self._thread.is_alive():
+                done.wait(0.1)
+        self.tracker.flush()
         if self._error is not None:
             raise RuntimeError("step logging failed") from self._error
 
@@ -294,6 +297,9 @@ class Trainer:
                     logger.flush()
                     self.save_fn(step)
             self.callbacks.on_train_end(step)
+        except KeyboardInterrupt as e:  # SIGINT / SIGTERM (workbench.interrupt): say where the run stopped
+            e.step = step
+            raise
         finally:
             self.history = logger.close()
             bar.close()

@@ -1,0 +1,136 @@
+"""Signals and dead ranks end runs cleanly: one line, the run KILLED (or FAILED), never left RUNNING, and the newest
+checkpoint intact. Real processes: the CLI, torchrun (`python -m torch.distributed.run`) and launcher=local."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import REPO
+from workbench import checkpoint, free_port
+
+pytestmark = pytest.mark.slow
+
+# 0.1 s a batch, a checkpoint every 5 steps: long enough to interrupt after the first checkpoint.
+ARGS = ["experiment=quick", "data.train._target_=tests.plugins.SlowSynthetic", "max_steps=400", "save_steps=5",
+        "disable_tqdm=true"]
+
+
+def _start(tmp_path: Path, *cmd: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "WB_FETCH_SLEEP": "0.1",
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    # WB_TEST_JOB marks this job's processes (submitit's local ranks are not the launcher's children).
+    return subprocess.Popen(["sh", "-c", 'WB_TEST_JOB=$$ exec "$@"', "sh", sys.executable, *cmd], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path) -> None:
+    deadline = time.monotonic() + 300
+    while not checkpoint.list_checkpoints(run_dir):
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, "no checkpoint was written"
+        time.sleep(0.2)
+
+
+def _statuses(tmp_path: Path) -> list[str]:
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    return [r.info.status for r in client.search_runs([client.get_experiment_by_name("workbench").experiment_id])]
+
+
+def _rank_pids(launcher: subprocess.Popen, rank_var: str = "RANK") -> dict[int, int]:
+    """The rank processes a launcher (torchrun, submitit's local executor) started, by rank (from their environment)."""
+    deadline = time.monotonic() + 120
+    while True:
+        found = {}
+        for child in [p.name for p in Path("/proc").iterdir() if p.name.isdigit()]:
+            try:
+                env = dict(kv.split("=", 1) for kv in Path(f"/proc/{child}/environ").read_text().split("\0") if "=" in kv)
+                if env.get("WB_TEST_JOB") != str(launcher.pid):  # not one of this test's processes
+                    continue
+            except OSError:  # ProcessLookupError included: a process that just ended
+                continue
+            if rank_var in env:
+                found[int(env[rank_var])] = int(child)
+        if len(found) == 2:
+            return found
+        assert time.monotonic() < deadline, "the launcher did not start two ranks"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_ends_the_run_killed_with_one_line(tmp_path, signum):
+    run_dir = tmp_path / "run"
+    proc = _start(tmp_path, "-m", "workbench", *ARGS, f"output_dir={run_dir}")
+    try:
+        _wait_for_checkpoint(proc, run_dir)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("interrupted at step ") and f"output_dir={run_dir} resume_from_checkpoint=latest" in last
+    assert _statuses(tmp_path) == ["KILLED"]
+    newest = checkpoint.list_checkpoints(run_dir)[-1]
+    assert checkpoint.load(newest)["step"] == int(newest.stem.split("-")[1])  # whole and readable
+    assert not list(run_dir.rglob(".*tmp*"))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Leave nothing running, whatever the test saw."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _torchrun(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    run_dir = tmp_path / "run"
+    return _start(tmp_path, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+                  "-m", "workbench", *ARGS, f"output_dir={run_dir}"), run_dir
+
+
+@pytest.mark.parametrize("rank, signum", [(1, signal.SIGTERM), (0, signal.SIGKILL), (1, signal.SIGKILL)])
+def test_a_signalled_or_dead_rank_never_leaves_the_run_running(tmp_path, rank, signum):
+    proc, run_dir = _torchrun(tmp_path)
+    try:
+        _wait_for_checkpoint(proc, run_dir)
+        os.kill(_rank_pids(proc)[rank], signum)
+        proc.communicate(timeout=180)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode != 0
+    assert _statuses(tmp_path) in (["KILLED"], ["FAILED"])
+    newest = checkpoint.list_checkpoints(run_dir)[-1]
+    assert checkpoint.load(newest)["step"] == int(newest.stem.split("-")[1])
+
+
+def test_sigterm_to_the_torchrun_job_ends_the_run_killed(tmp_path):
+    proc, run_dir = _torchrun(tmp_path)
+    try:
+        _wait_for_checkpoint(proc, run_dir)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=180)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode != 0
+    assert _statuses(tmp_path) == ["KILLED"]
+
+
+def test_local_launcher_rank_zero_killed_leaves_the_run_failed(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(tmp_path, "-m", "workbench", *ARGS, "launcher=local", "launcher.nprocs=2", f"output_dir={run_dir}")
+    try:
+        _wait_for_checkpoint(proc, run_dir)
+        os.kill(_rank_pids(proc, "SUBMITIT_LOCAL_GLOBALID")[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 2 and "failed" in err.strip().splitlines()[-1]
+    assert _statuses(tmp_path) == ["FAILED"]

@@ -1,0 +1,164 @@
+"""Tracking calls off the training path: an ordered outbox sent by a background thread, and a spool on disk.
+
+Every MLflow write of a run (metrics, params, tags, artifacts, the final status) is an *operation* put in the
+:class:`Outbox`. One thread sends them in order; when the server is slow or gone it retries the oldest with backoff,
+so a dead server delays lines, never steps, and never reorders them. What is still unsent when the run ends is written
+to the run folder's spool (``tracking-spool/``) and uploaded later into the same run by
+``python -m workbench.tracking sync <run folder>``.
+
+An operation is a JSON-able tuple: ``("metrics", [[{name: value}, step, ms], ...])``, ``("params", {k: v})``,
+``("tags", {k: v})``, ``("artifact", staged_file, artifact_path)``, ``("status", "FINISHED"|"FAILED"|"KILLED")``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+log = logging.getLogger(__name__)
+
+SPOOL = "tracking-spool"
+RETRY_MIN, RETRY_MAX = 0.5, 5.0  # seconds between two tries of the oldest operation
+
+
+def spool_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / SPOOL
+
+
+def permanent(error: BaseException) -> bool:
+    """A request the server understood and refused (bad value, no such run): retrying cannot help."""
+    from mlflow.exceptions import MlflowException
+
+    if not isinstance(error, MlflowException):
+        return False
+    status = error.get_http_status_code()
+    return 400 <= status < 500 and status != 429
+
+
+class Outbox:
+    """Operations sent in order by one background thread; :meth:`put` never blocks, :meth:`drain` waits at most
+    its timeout, and nothing here can deadlock: every wait has a timeout or a condition the sender always signals."""
+
+    def __init__(self, send: Callable[[tuple], None]):
+        self._send = send
+        self._ops: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self.last_error: str | None = None  # the newest failure, one line; None once a send succeeds again
+        self._thread = threading.Thread(target=self._work, name="workbench-tracking-outbox", daemon=True)
+        self._thread.start()
+
+    def put(self, op: tuple) -> None:
+        with self._cond:
+            self._ops.append(op)
+            self._cond.notify_all()
+
+    def _work(self) -> None:
+        delay = RETRY_MIN
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._ops or self._closed)
+                if self._closed:
+                    return
+                op = self._ops[0]
+            try:
+                self._send(op)
+                sent = True
+            except Exception as e:  # noqa: BLE001 - a tracking failure must never reach the training thread
+                sent = permanent(e)
+                message = " ".join(str(e).split())[:300] or type(e).__name__
+                if sent:
+                    log.warning("tracking dropped a %s call the server refused: %s", op[0], message)
+                else:
+                    self.last_error = message
+            with self._cond:
+                if sent:
+                    if self._ops and self._ops[0] is op:
+                        self._ops.popleft()
+                    self.last_error, delay = None, RETRY_MIN
+                    self._cond.notify_all()
+                else:  # the server is away: try the same operation again later (close() cuts the wait short)
+                    self._cond.wait(delay)
+                    delay = min(2 * delay, RETRY_MAX)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every operation is sent, at most `timeout` seconds; True when none is left."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._ops or self._closed, timeout) and not self._ops
+
+    def pending(self) -> list[tuple]:
+        """What is not sent yet, oldest first."""
+        with self._cond:
+            return list(self._ops)
+
+    def close(self, timeout: float = 15.0) -> list[tuple]:
+        """Stop sending; returns what was not sent, oldest first. An operation in flight gets `timeout` seconds to
+        finish (MLflow's own HTTP timeout bounds it) so that it is not returned as unsent as well."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        with self._cond:
+            return list(self._ops)
+
+
+def stage(output_dir: str | Path, source: str | Path, artifact_path: str | None) -> tuple:
+    """Copy a file into the spool (its source may be a temporary file) and return the artifact operation."""
+    folder = spool_dir(output_dir) / "files" / f"{os.getpid()}-{time.monotonic_ns()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    staged = folder / Path(source).name
+    shutil.copyfile(source, staged)
+    return ("artifact", str(staged), artifact_path)
+
+
+def unstage(op: tuple) -> None:
+    """Remove an uploaded artifact's staged copy (and its folder once empty)."""
+    if op[0] == "artifact":
+        staged = Path(op[1])
+        staged.unlink(missing_ok=True)
+        try:
+            staged.parent.rmdir()
+        except OSError:
+            pass
+
+
+def tidy(output_dir: str | Path) -> None:
+    """Remove the spool's folders once nothing is left in them."""
+    folder = spool_dir(output_dir)
+    for sub in sorted(folder.glob("files/*"), reverse=True) + [folder / "files", folder]:
+        try:
+            sub.rmdir()
+        except OSError:
+            pass
+
+
+def write_spool(output_dir: str | Path, uri: str, run_id: str, ops: Iterable[tuple]) -> Path:
+    """Append unsent operations to a new spool file in the run folder (written whole, then renamed into place)."""
+    folder = spool_dir(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"ops-{time.time_ns()}-{os.getpid()}.jsonl"
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"uri": uri, "run_id": run_id}) + "\n")
+        for op in ops:
+            f.write(json.dumps(op) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_spool(output_dir: str | Path) -> list[tuple[Path, dict[str, Any], list[tuple]]]:
+    """Every spool file of a run folder, oldest first: (file, {uri, run_id}, operations)."""
+    out = []
+    for path in sorted(spool_dir(output_dir).glob("ops-*.jsonl")):
+        lines = path.read_text().splitlines()
+        out.append((path, json.loads(lines[0]), [tuple(json.loads(line)) for line in lines[1:] if line]))
+    return out
