@@ -34,9 +34,10 @@ def norm_clip_step_class():
     from workbench.trainer import GradientStep
 
     class NormClipGradientStep(GradientStep):
-        def _accumulate(self, x, y):
+        def _accumulate(self, batch):
             if not self.private or self.mode == "ghost":
-                return super()._accumulate(x, y)
+                return super()._accumulate(batch)
+            x, y = batch.args[0], batch.labels
             losses = self.criterion(self.module(x), y)
             losses.sum().backward()
             grad_samples = [p.grad_sample for p in self.params]

@@ -13,7 +13,7 @@ import socket
 import time
 from typing import Any, Callable, Sequence
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from workbench import config
 
@@ -27,7 +27,11 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
     if GlobalHydra.instance().is_initialized():  # a previous cell (or an interrupted one) left Hydra initialised
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config.CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=list(overrides))
+        cfg = hydra_compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+    config.record_choices(cfg, cfg.hydra.runtime.choices)  # as the CLI does: tags, and each group's option
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
 
 
 def free_port() -> int:

@@ -55,15 +55,15 @@ class BookKeeping:
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.checked = False
 
-    def _forward(self, x: torch.Tensor, keep: Callable) -> torch.Tensor:
+    def _forward(self, losses_of: Callable[[], torch.Tensor], keep: Callable) -> torch.Tensor:
         handles = [m.register_forward_hook(keep, with_kwargs=True) for m in self.layers]
         try:
-            return self.model(x)
+            return losses_of()
         finally:
             for h in handles:
                 h.remove()
 
-    def _run(self, x: torch.Tensor, y: torch.Tensor, losses_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    def _run(self, losses_of: Callable[[], torch.Tensor]):
         """Forward with the recording hooks; returns the per-example losses and, per layer that ran, its input and the
         autograd edge of its output (the edge, not the tensor: memory like a non-private step's)."""
         records: list[tuple[nn.Module, torch.Tensor, object]] = []
@@ -73,7 +73,7 @@ class BookKeeping:
                 raise WorkbenchError("grad_sample_mode=bk: gradients are disabled in the model's forward (no_grad?)")
             records.append((m, _input(args, kwargs).detach(), get_gradient_edge(out)))
 
-        losses = losses_of(self._forward(x, keep), y)
+        losses = self._forward(losses_of, keep)
         if not records:
             raise WorkbenchError("grad_sample_mode=bk: no nn.Linear layer ran in the model's forward")
         return losses, records
@@ -96,18 +96,17 @@ class BookKeeping:
             layers[m] = (a, g)
         return layers
 
-    def check(self, x: torch.Tensor, y: torch.Tensor,
-              losses_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    def check(self, n: int, losses_of: Callable[[], torch.Tensor]) -> None:
         """On a real batch, in the model's training mode: each example's row of bk must be that example's own gradient
         (autograd's gradient of its loss alone). Time-major inputs, layers or losses that mix examples, and weights
-        used outside their layer all fail it; mixing that appears only in larger batches cannot be seen."""
-        n = len(y)
+        used outside their layer all fail it; mixing that appears only in larger batches cannot be seen.
+        ``losses_of()`` runs the batch's forward (``n`` examples) and returns its per-example losses."""
         if n < 2:  # one example cannot show mixing; accumulate checks the first larger batch
             return
         was_training = self.model.training
         self.model.train()  # the mode it trains in, whatever mode it was handed over in
         try:
-            losses, records = self._run(x, y, losses_of)
+            losses, records = self._run(losses_of)
         finally:
             self.model.train(was_training)
         grads = torch.autograd.grad(losses.sum(), [edge for _, _, edge in records], retain_graph=True,
@@ -138,21 +137,20 @@ class BookKeeping:
                         "or uses the weight outside its layer; per-sample clipping cannot apply")
         self.checked = True
 
-    def accumulate(self, x: torch.Tensor, y: torch.Tensor, losses_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                   view_of: dict[int, torch.Tensor]) -> torch.Tensor:
+    def accumulate(self, n: int, losses_of: Callable[[], torch.Tensor], view_of: dict[int, torch.Tensor]) -> torch.Tensor:
         """Add the micro-batch's clipped gradient sum into ``view_of`` (parameter id -> gradient buffer view);
-        ``losses_of(output, y)`` gives the per-example losses."""
-        n = len(y)
+        ``losses_of()`` runs its forward (``n`` examples) and returns the per-example losses. Norms and clip factors
+        are float32 (or wider) from the very values summed, whatever precision the forward ran in."""
         if not self.checked and n >= 2:  # GradientStep.check normally did this before training
-            self.check(x, y, losses_of)
-        losses, records = self._run(x, y, losses_of)
+            self.check(n, losses_of)
+        losses, records = self._run(losses_of)
         grads = torch.autograd.grad(losses.sum(), [edge for _, _, edge in records], allow_unused=True)
         layers = self._by_layer(records, grads, n)
         dtype = next(iter(view_of.values())).dtype
-        norms2 = torch.zeros(n, device=y.device, dtype=torch.promote_types(dtype, torch.float32))
+        norms2 = torch.zeros(n, device=losses.device, dtype=torch.promote_types(dtype, torch.float32))
         for m, (a, g) in layers.items():
+            a, g = a.to(norms2.dtype), g.to(norms2.dtype)  # no-ops in float32/64; under autocast, bf16 -> float32
             if a.dim() == 2:  # ||g a^T||^2 = ||a||^2 ||g||^2; the bias gradient is g itself
-                a, g = a.to(norms2.dtype), g.to(norms2.dtype)  # no-ops in float32/64
                 gg = torch.linalg.vecdot(g, g)
                 if m.weight.requires_grad:
                     norms2.addcmul_(torch.linalg.vecdot(a, a), gg)
@@ -167,9 +165,9 @@ class BookKeeping:
         factor = norms2.sqrt_().add_(1e-6).reciprocal_().mul_(self.clip).clamp_(max=1.0)  # min(1, C / ||g_i||)
         for m, (a, g) in layers.items():
             # out of place: autograd may hand the same gradient tensor to two layers (z = a(x) + b(x))
-            scaled = (g * factor.view(-1, *[1] * (g.dim() - 1))).to(g.dtype).reshape(-1, g.shape[-1])
+            scaled = (g.to(factor.dtype) * factor.view(-1, *[1] * (g.dim() - 1))).to(dtype).reshape(-1, g.shape[-1])
             if m.weight.requires_grad:
-                view_of[id(m.weight)].addmm_(scaled.t(), a.reshape(-1, a.shape[-1]))
+                view_of[id(m.weight)].addmm_(scaled.t(), a.reshape(-1, a.shape[-1]).to(dtype))
             if m.bias is not None and m.bias.requires_grad:
                 view_of[id(m.bias)].add_(scaled.sum(0))
         return losses.detach()

@@ -20,7 +20,8 @@ from torch import nn
 from workbench import checkpoint, config, data, distributed, privacy
 from workbench.errors import WorkbenchError
 from workbench.tracking import git_sha, make_tracker, ui_command
-from workbench.trainer import Evaluator, GradientStep, History, Trainer, check_model, lr_lambda
+from workbench.models import prepare_model
+from workbench.trainer import Evaluator, GradientStep, History, Trainer, lr_lambda
 
 log = logging.getLogger("workbench")
 
@@ -80,6 +81,8 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None) -> TrainResu
         tracker = make_tracker(cfg, d.is_main)
         tags = {"backend": d.backend, "ddp_shard": cfg.ddp_shard, "world_size": d.world_size, "git_sha": git_sha(),
                 "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags}
+        if job["fixed_modules"]:
+            tags["fixed_modules"] = "; ".join(job["fixed_modules"])
         tracker.start(tags, run_id=job["resume_run_id"] or cfg.tracking.run_id, sweep_dir=cfg.tracking.sweep_dir)
         run_id = d.broadcast_object(tracker.run_id)
         result = _fit(cfg, d, job, tracker, run_id, output_dir)
@@ -93,11 +96,20 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None) -> TrainResu
         distributed.teardown(d)
 
 
+def _autocast_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype | None:
+    if cfg.fp16 and device.type != "cuda":
+        raise WorkbenchError(f"fp16=true needs CUDA (this job runs on {device.type}); use bf16=true")
+    return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else None
+
+
 def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None) -> dict[str, Any]:
     """Everything that can be refused is built here, before an MLflow run exists."""
     torch.manual_seed(cfg.seed)
-    train_set = _instantiate(cfg.data.train, "data.train")
-    eval_set = _instantiate(cfg.data.eval, "data.eval") if cfg.data.get("eval") is not None else None
+    autocast_dtype = _autocast_dtype(cfg, d.device)
+    train_set = _instantiate(config.own_arguments(cfg, "data.train"), "data.train")
+    eval_set = _instantiate(config.own_arguments(cfg, "data.eval"), "data.eval") if cfg.data.get("eval") is not None else None
+    collator = _instantiate(config.own_arguments(cfg, "data.collator"), "data.collator") \
+        if cfg.data.get("collator") is not None else None
     n = data.check_dataset(train_set, "training")
     if eval_set is not None:
         data.check_dataset(eval_set, "eval")
@@ -108,10 +120,13 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
     expected_batch = cfg.per_device_train_batch_size * d.world_size
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * shard.population / expected_batch)
 
-    model = _instantiate(cfg.model, "model")
+    model = _instantiate(config.own_arguments(cfg, "model"), "model")
     if not isinstance(model, nn.Module):
         raise WorkbenchError(f"model._target_ built a {type(model).__name__}, not a torch.nn.Module")
-    check_model(model, cfg.privacy.enabled)
+    model, fixed = prepare_model(model, cfg.privacy.enabled, cfg.privacy.fix_model)
+    if d.is_main:
+        for note in fixed:
+            print(f"privacy.fix_model: {note}", flush=True)
     model.to(d.device)
     if d.distributed:  # identical start on every rank whatever the model's own RNG use
         for t in model.state_dict().values():
@@ -143,9 +158,9 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
 
     step_fn = GradientStep(model, criterion, d, max_grad_norm=p.max_grad_norm if p.enabled else None,
                            noise_multiplier=sigma, grad_sample_mode=p.grad_sample_mode,
-                           max_physical_batch_size=cfg.max_physical_batch_size)
+                           max_physical_batch_size=cfg.max_physical_batch_size, autocast_dtype=autocast_dtype)
     # The same examples on every rank: a refusal is raised everywhere alike, before any run exists.
-    step_fn.check(data.first_examples(train_set, 8))
+    step_fn.check(data.first_examples(train_set, 8, collator))
     optimizer = _instantiate(cfg.optimizer, "optimizer")(step_fn.params, lr=cfg.learning_rate,
                                                          weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_scheduler_type, cfg.warmup_steps, total_steps))
@@ -179,12 +194,13 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
                                                                             else cfg.seed), d.rank, start_step)
     eval_loader = None
     if eval_set is not None:
-        eval_loader = data.eval_loader(eval_set, data.eval_shard(len(eval_set), d.rank, d.world_size), cfg, d.device)
+        eval_loader = data.eval_loader(eval_set, data.eval_shard(len(eval_set), d.rank, d.world_size), cfg, d.device,
+                                       collator)
     return dict(model=model, criterion=criterion, shard=shard, step_fn=step_fn, optimizer=optimizer,
                 scheduler=scheduler, accountant=accountant, secret=secret, delta=delta, sigma=sigma, total_steps=total_steps,
                 expected_batch=expected_batch, start_step=start_step, resume_run_id=resume_run_id, digest=digest,
-                loader=data.train_loader(train_set, sampler, cfg, d.device), eval_loader=eval_loader,
-                metrics_fn=metrics_fn)
+                loader=data.train_loader(train_set, sampler, cfg, d.device, collator), eval_loader=eval_loader,
+                metrics_fn=metrics_fn, fixed_modules=fixed, autocast_dtype=autocast_dtype)
 
 
 def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str | None, output_dir: Path) -> TrainResult:
@@ -206,7 +222,7 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
     evaluator = None
     if job["eval_loader"] is not None:
         evaluator = Evaluator(model, job["criterion"], job["eval_loader"], d, job["metrics_fn"],
-                              cfg.eval_use_gather_object, cfg.batch_eval_metrics)
+                              cfg.eval_use_gather_object, cfg.batch_eval_metrics, job["autocast_dtype"])
     trainer = Trainer(cfg, d, model, job["step_fn"], job["optimizer"], job["scheduler"], job["loader"],
                       evaluator or (lambda: {}), accountant, delta, tracker, job["expected_batch"],
                       job["shard"].population, job["total_steps"], job["start_step"], save)

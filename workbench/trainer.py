@@ -17,33 +17,20 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import contextlib
+
 import torch
 from torch import nn
 
 from workbench import book_keeping
-from workbench.data import step_generator
-from workbench.distributed import Dist
+from workbench.data import Batch, as_batch, step_generator
+from workbench.distributed import Dist, pad_concat
 from workbench.errors import WorkbenchError
+from workbench.losses import logits_of
 
 log = logging.getLogger(__name__)
 # Opacus' hooks trigger this on every backward of a model whose inputs need no grad: expected, not actionable.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
-
-
-def check_model(model: nn.Module, private: bool) -> None:
-    """Refuse models DP-SGD (or one-process-per-device training) cannot handle, with a one-line fix."""
-    if isinstance(model, nn.DataParallel):
-        raise WorkbenchError("torch.nn.DataParallel is refused: use launcher=local (one process per device) instead")
-    if not private:
-        return
-    from opacus.validators import ModuleValidator
-
-    errors = ModuleValidator.validate(model, strict=False)
-    if errors:
-        first = str(errors[0]).splitlines()[0]
-        hint = " (e.g. BatchNorm -> GroupNorm: opacus.validators.ModuleValidator.fix(model) does it)" \
-            if any("BatchNorm" in str(e) for e in errors) else ""
-        raise WorkbenchError(f"the model has {len(errors)} layer(s) DP-SGD cannot handle: {first}{hint}")
 
 
 # Layers torch's expanded weights (grad_sample_mode=ew) computes per-sample gradients for.
@@ -71,8 +58,8 @@ class GradientStep:
 
     def __init__(self, model: nn.Module, criterion: nn.Module, dist: Dist, *, max_grad_norm: float | None,
                  noise_multiplier: float, grad_sample_mode: str = "hooks", max_physical_batch_size: int = 512,
-                 noise_seed: int = 0):
-        self.dist, self.criterion = dist, criterion
+                 noise_seed: int = 0, autocast_dtype: torch.dtype | None = None):
+        self.dist, self.criterion, self.autocast_dtype = dist, criterion, autocast_dtype
         self.clip, self.sigma, self.mode = max_grad_norm, noise_multiplier, grad_sample_mode
         self.max_physical_batch_size, self.noise_seed = max_physical_batch_size, noise_seed
         self.private = max_grad_norm is not None
@@ -83,6 +70,9 @@ class GradientStep:
             raise WorkbenchError(f"the model's trainable parameters mix dtypes {sorted({str(p.dtype) for p in self.params})}; "
                                  "one flat gradient buffer needs one")
         self.module = self._wrap(model) if self.private else model
+        if self.private and autocast_dtype is not None and self.mode in ("ghost", "ew"):
+            raise WorkbenchError(f"grad_sample_mode={self.mode} cannot run in mixed precision: its clipped sum is not "
+                                 "computed from the per-sample gradients its norms were; use bk or hooks")
         numel = sum(p.numel() for p in self.params)
         device = self.params[0].device
         # Gradient sum, then [loss sum, example count]: the step's one collective carries all three.
@@ -114,30 +104,55 @@ class GradientStep:
     def check(self, batch: Any) -> None:
         """Before any training, on a real batch: the criterion gives one loss per example, and book-keeping's
         assumptions about the model hold (they cannot all be read off the layers)."""
-        x, y = batch[0].to(self.flat.device), batch[1].to(self.flat.device)
+        batch = as_batch(batch).to(self.flat.device)
         if self.private and self.mode == "bk":
-            self.bk.check(x, y, self._losses)
+            self.bk.check(len(batch), self._losses_of(batch, precise=True))
             return
         was_training = self.module.training
         self.module.eval()
         try:
             with torch.no_grad():
-                self._losses(self.module(x), y)
+                self._losses_of(batch)()
         finally:
             self.module.train(was_training)
 
-    def _losses(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        losses = self.criterion(output, y)
+    def _precision(self, precise: bool = False):
+        if self.autocast_dtype is None or precise:
+            return contextlib.nullcontext()
+        return torch.autocast(self.flat.device.type, dtype=self.autocast_dtype)
+
+    def _losses_of(self, batch: Batch, precise: bool = False) -> Callable[[], torch.Tensor]:
+        """The batch's forward and per-example losses, as a function (book-keeping runs it between its hooks).
+        ``precise``: without autocast, for checks that compare against autograd in the parameters' dtype."""
+
+        def losses() -> torch.Tensor:
+            with self._precision(precise):
+                if self.private and self.mode == "ew":  # Opacus' wrapper reads the batch size off a positional input
+                    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+
+                    output = batch.forward(call_for_per_sample_grads(self.module._module, batch_size=len(batch),
+                                                                     loss_reduction="sum"))
+                else:
+                    output = batch.forward(self.module)
+                return self._losses(output, batch.labels)
+
+        return losses
+
+    def _losses(self, output: Any, y: torch.Tensor) -> torch.Tensor:
+        losses = self.criterion(logits_of(output), y)
         if losses.dim() != 1 or len(losses) != len(y):
             raise WorkbenchError(f"the criterion must return one loss per example (reduction='none'), not shape "
                                  f"{tuple(losses.shape)} for a batch of {len(y)}")
-        return losses
+        return losses.float()
 
-    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _accumulate(self, batch: Batch) -> torch.Tensor:
         """Add the micro-batch's (clipped) gradient sum to the flat buffer; return its per-sample losses."""
+        n = len(batch)
         if self.private and self.mode == "bk":
-            return self.bk.accumulate(x, y, self._losses, self.view_of)
-        losses = self._losses(self.module(x), y)
+            if not self.bk.checked and n >= 2:  # normally done by check() before training
+                self.bk.check(n, self._losses_of(batch, precise=True))
+            return self.bk.accumulate(n, self._losses_of(batch), self.view_of)
+        losses = self._losses_of(batch)()
         if not self.private:
             losses.sum().backward()
             for p, view in zip(self.params, self.grad_views):
@@ -148,20 +163,33 @@ class GradientStep:
         if self.mode == "ghost":
             return self._accumulate_ghost(losses)
         losses.sum().backward()
-        # None: a parameter unused in this forward; its clipped gradient is zero.
-        flat_samples = [(view, p.grad_sample.reshape(len(y), -1)) for p, view in zip(self.params, self.grad_views)
-                        if p.grad_sample is not None]
-        norms = torch.zeros(len(y), device=y.device)
+        # None: a parameter unused in this forward; its clipped gradient is zero. Norms, factors and the sum are in
+        # float32 (or the parameters' wider dtype) from the very values summed, whatever precision the backward ran in.
+        flat_samples = []
+        for p, view in zip(self.params, self.grad_views):
+            if p.grad_sample is None:
+                continue
+            self._check_per_example(p, p.grad_sample, n)
+            flat_samples.append((view, p.grad_sample.reshape(n, -1).to(view.dtype)))
+        norms = torch.zeros(n, device=losses.device)
         if flat_samples:  # vector_norm and addmv_: no full-size temporaries of the per-sample gradients
             norms = torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(gs, dim=1) for _, gs in flat_samples], dim=1), dim=1)
         factor = (self.clip / (norms + 1e-6)).clamp(max=1.0)
         for view, gs in flat_samples:
-            view.view(-1).addmv_(gs.t(), factor)
+            view.view(-1).addmv_(gs.t(), factor.to(gs.dtype))
         for p in self.params:
             p.grad_sample = None
             p.grad = None
         return losses.detach()
+
+    def _check_per_example(self, p: nn.Parameter, per_sample: torch.Tensor, n: int) -> None:
+        """Opacus sums over the batch, without a word, a layer whose input has no batch dimension: refuse it."""
+        if per_sample.shape[0] != n:
+            name = next(k for k, q in self.module.named_parameters() if q is p).removeprefix("_module.")
+            raise WorkbenchError(f"parameter {name!r} has no per-example gradient (its layer's input is shared by the "
+                                 "batch, e.g. position embeddings of shape (1, T)): freeze it, or feed it per-example "
+                                 "inputs")
 
     def _accumulate_ghost(self, losses: torch.Tensor) -> torch.Tensor:
         # Ghost clipping: a first backward yields per-sample norms without materialising per-sample gradients, a
@@ -171,6 +199,7 @@ class GradientStep:
         for p in self.params:
             ns = getattr(p, "_norm_sample", None)
             if ns is not None:
+                self._check_per_example(p, ns, len(losses))
                 norms.add_(ns.pow(2))
                 p._norm_sample = None
             p.grad = None
@@ -191,11 +220,11 @@ class GradientStep:
         self.flat.zero_()
         for p in self.params:  # a .grad left from outside (no zero_grad) must not leak unclipped into the backward modes
             p.grad = None
+        batch = as_batch(batch)
         if batch is not None:
-            x, y = batch[0].to(self.flat.device, non_blocking=True), batch[1].to(self.flat.device, non_blocking=True)
-            for start in range(0, len(y), self.max_physical_batch_size):
-                end = start + self.max_physical_batch_size
-                losses = self._accumulate(x[start:end], y[start:end])
+            batch = batch.to(self.flat.device, non_blocking=True)
+            for start in range(0, len(batch), self.max_physical_batch_size):
+                losses = self._accumulate(batch.slice(start, start + self.max_physical_batch_size))
                 self.loss_sum.add_(losses.sum())
                 self.count.add_(len(losses))
         if self.private and self.sigma > 0 and self.dist.rank == 0:
@@ -383,15 +412,23 @@ class Evaluator:
     """Cluster-wide eval: each rank predicts its contiguous shard, ranks gather in order, metrics see the whole set."""
 
     def __init__(self, model: nn.Module, criterion: nn.Module, loader, dist: Dist,
-                 compute_metrics: Callable | None, use_gather_object: bool = False, batch_eval_metrics: bool = False):
+                 compute_metrics: Callable | None, use_gather_object: bool = False, batch_eval_metrics: bool = False,
+                 autocast_dtype: torch.dtype | None = None):
         self.model, self.criterion, self.loader, self.dist = model, criterion, loader, dist
         self.compute_metrics, self.force_object, self.batched = compute_metrics, use_gather_object, batch_eval_metrics
+        self.autocast_dtype = autocast_dtype
 
     def _gather(self, predictions, labels):
         from workbench.metrics import EvalPrediction
 
         return EvalPrediction(self.dist.gather_payload(predictions, self.force_object),
                               self.dist.gather_payload(labels, self.force_object))
+
+    def _predict(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, per-example losses), both float32."""
+        with torch.autocast(self.dist.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            out = logits_of(batch.forward(self.model))
+            return out.float(), self.criterion(out, batch.labels).float()
 
     @torch.no_grad()
     def __call__(self) -> dict[str, float]:
@@ -402,27 +439,29 @@ class Evaluator:
         batches = iter(self.loader)  # streamed: the eval set is never held twice
         n_batches = max(self.dist.all_gather_object(len(self.loader))) if self.batched else len(self.loader)
         for i in range(n_batches):
-            batch = next(batches, None)
-            if batch is not None:
-                x, y = batch[0].to(self.dist.device), batch[1].to(self.dist.device)
-                out = self.model(x)
-                totals[0] += self.criterion(out, y).sum()
-                totals[1] += len(y)
-                out, y = out.cpu(), y.cpu()
+            batch = as_batch(next(batches, None))
+            if batch is not None and len(batch):
+                batch = batch.to(self.dist.device, non_blocking=True)
+                out, losses = self._predict(batch)
+                totals[0] += losses.sum()
+                totals[1] += len(batch)
+                out, y = out.cpu(), batch.labels.cpu()
             else:  # this rank's shard has fewer eval batches: it joins the gather with an empty payload
                 out, y = torch.empty(0), torch.empty(0, dtype=torch.long)
+            if self.compute_metrics is None:
+                continue
             if self.batched:
-                if self.compute_metrics is not None:
-                    metrics = self.compute_metrics(self._gather(out, y), compute_result=i == n_batches - 1)
-            else:
+                metrics = self.compute_metrics(self._gather(out, y), compute_result=i == n_batches - 1)
+            elif len(y):
                 predictions.append(out)
                 labels.append(y)
         if not self.batched and self.compute_metrics is not None:
-            pred = self._gather(torch.cat(predictions) if predictions else torch.empty(0),
-                                torch.cat(labels) if labels else torch.empty(0, dtype=torch.long))
-            metrics = self.compute_metrics(pred)
+            metrics = self.compute_metrics(self._gather(pad_concat(predictions, torch.empty(0)),
+                                                        pad_concat(labels, torch.empty(0, dtype=torch.long))))
         self.dist.all_reduce_(totals)
         self.model.train(was_training)
         out = {f"eval_{k}": float(v) for k, v in (metrics or {}).items()}
         out["eval_loss"] = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+        if getattr(self.criterion, "reports_perplexity", False):
+            out["eval_perplexity"] = math.exp(min(out["eval_loss"], 700.0))
         return out
