@@ -95,6 +95,7 @@ class WorkbenchConfig:
     model: Any = MISSING
     optimizer: Any = MISSING  # partial: learning_rate and weight_decay are passed in
     criterion: Any = MISSING  # must accept reduction="none"
+    peft: Any = None  # peft=lora: adapters wrap the model (workbench.hf.lora)
     compute_metrics: Optional[str] = "workbench.metrics.accuracy"
 
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
@@ -259,6 +260,7 @@ def check_writable(path: Path) -> None:
 def privacy_digest(cfg: DictConfig, world_size: int) -> str:
     """A digest of the fields that change the privacy guarantee (see PRIVACY_FIELDS) and the world size."""
     values: dict[str, Any] = {"world_size": world_size}
-    values |= {name: OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, name)}), resolve=True)["v"]
-              for name in PRIVACY_FIELDS}
+    for name in PRIVACY_FIELDS:
+        value = OmegaConf.select(cfg, name)  # a sub-node resolves its interpolations (${data.task}) against the root
+        values[name] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
     return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -17,7 +17,7 @@ from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from workbench import checkpoint, config, data, distributed, privacy
+from workbench import checkpoint, config, data, distributed, hf, privacy
 from workbench.errors import WorkbenchError
 from workbench.tracking import git_sha, make_tracker, ui_command
 from workbench.models import prepare_model
@@ -123,6 +123,8 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
     model = _instantiate(config.own_arguments(cfg, "model"), "model")
     if not isinstance(model, nn.Module):
         raise WorkbenchError(f"model._target_ built a {type(model).__name__}, not a torch.nn.Module")
+    if cfg.get("peft") is not None:  # adapters (LoRA): only they train, so only they are clipped and noised
+        model = _instantiate(cfg.peft, "peft", _partial_=True)(model)
     model, fixed = prepare_model(model, cfg.privacy.enabled, cfg.privacy.fix_model)
     if d.is_main:
         for note in fixed:
@@ -177,7 +179,7 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
             if state.get("privacy_digest") != digest:
                 raise WorkbenchError(f"checkpoint {str(path)!r} was written under a different privacy config "
                                      "(batch, steps, seed, shard, world size, noise, clipping or data differ); refusing to resume")
-            model.load_state_dict(state["model"])
+            hf.load_model_state(model, state["model"])
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             if accountant is not None:
@@ -208,7 +210,7 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
     last_saved: list[Path | None] = [None]
 
     def state(step: int) -> dict:
-        return {"model": model.state_dict(), "optimizer": job["optimizer"].state_dict(),
+        return {"model": hf.model_state(model), "optimizer": job["optimizer"].state_dict(),
                 "scheduler": job["scheduler"].state_dict(), "step": step, "run_id": run_id,
                 "privacy_digest": job["digest"], "world_size": d.world_size, "secret": job["secret"],
                 "accountant": accountant.state_dict() if accountant is not None else None}
@@ -244,6 +246,11 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
                 published = Path(tmp) / last_saved[0].name
                 torch.save({k: v for k, v in state(steps).items() if k != "secret"}, published)
                 tracker.log_artifact(published, "checkpoints")
+        if hf.is_adapter(model):  # the adapter in peft's own format: PeftModel.from_pretrained(base, folder)
+            with tempfile.TemporaryDirectory() as tmp:
+                model.save_pretrained(tmp)
+                for f in sorted(Path(tmp).iterdir()):
+                    tracker.log_artifact(f, "adapter")
         if trainer.history.steps:
             from workbench.plots import training_curves
 
