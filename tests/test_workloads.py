@@ -321,3 +321,23 @@ def test_default_job_imports_no_hugging_face(tmp_path):
                           env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16])
+def test_cuda_step_matches_the_per_example_loop(dtype):
+    """Device placement, non_blocking copies from pinned memory and autocast on CUDA: the clipped sum is the CPU
+    per-example loop's (to half-precision rounding), each example's contribution bounded in float32."""
+    a, b, y = _data()
+    raw = {"a": a.pin_memory(), "b": b.pin_memory(), "labels": y.pin_memory()}
+    ce = nn.functional.cross_entropy
+    expected = _reference(_TwoInputs, range(len(y)), lambda m, i: ce(m(a[i:i + 1], b[i:i + 1]).logits, y[i:i + 1]), 0.5)
+    d = setup("gloo")
+    step = GradientStep(_TwoInputs().cuda(), nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=0.5,
+                        noise_multiplier=0.0, grad_sample_mode="hooks", autocast_dtype=dtype)
+    step(raw, step=0)
+    tolerance = dict(rtol=1e-4, atol=1e-5) if dtype is None else dict(rtol=5e-2, atol=2e-2)
+    for p, e in zip(step.params, expected):
+        assert p.grad.is_cuda and p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad.cpu(), e, **tolerance)
