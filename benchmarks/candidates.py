@@ -34,10 +34,9 @@ def norm_clip_step_class():
     from workbench.trainer import GradientStep
 
     class NormClipGradientStep(GradientStep):
-        def _accumulate(self, batch):
+        def _accumulate(self, x, y):
             if not self.private or self.mode == "ghost":
-                return super()._accumulate(batch)
-            x, y = batch.args[0], batch.labels
+                return super()._accumulate(x, y)
             losses = self.criterion(self.module(x), y)
             losses.sum().backward()
             grad_samples = [p.grad_sample for p in self.params]

@@ -11,10 +11,14 @@ _API = {
     "train": "workbench.run", "TrainResult": "workbench.run", "WorkbenchError": "workbench.errors",
 }
 
-__all__ = sorted(_API)
+_MODULES = {"audit": "workbench.audit"}  # the one-run privacy audit: audit.audit, audit.epsilon_lower_bound, ...
+
+__all__ = sorted([*_API, *_MODULES])
 
 
 def __getattr__(name: str):
+    if name in _MODULES:
+        return import_module(_MODULES[name])
     if name in _API:
         return getattr(import_module(_API[name]), name)
     raise AttributeError(f"module 'workbench' has no attribute {name!r}")

@@ -33,7 +33,7 @@ REFUSED_KNOBS = ("split_batches", "dispatch_batches", "even_batches", "use_seeda
 PRIVACY_FIELDS = (
     "per_device_train_batch_size", "max_steps", "num_train_epochs", "seed", "data_seed", "ddp_shard",
     "privacy.enabled", "privacy.accountant", "privacy.target_epsilon", "privacy.target_delta",
-    "privacy.noise_multiplier", "privacy.max_grad_norm", "privacy.secure_seed", "data",
+    "privacy.noise_multiplier", "privacy.max_grad_norm", "privacy.secure_seed", "data", "audit",
 )
 
 
@@ -45,7 +45,7 @@ class PrivacyConfig:
     target_delta: Optional[float] = None  # None: a value below 1/N (see workbench.privacy.default_delta)
     noise_multiplier: Optional[float] = None  # None: calibrated so that target_epsilon is met after all steps
     max_grad_norm: float = 1.0
-    grad_sample_mode: str = "auto"  # auto: the fastest mode that supports the model (workbench.trainer)
+    grad_sample_mode: str = "auto"  # auto: the fastest mode that supports the model (workbench.clipping)
     # Replace layers DP-SGD cannot handle by their DP equivalents (workbench.models.prepare_model); false: refuse them.
     fix_model: bool = True
     # The secret that the Poisson-sampling and noise streams derive from (with seed / data_seed, rank and step).
@@ -53,6 +53,13 @@ class PrivacyConfig:
     # Set it only to reproduce a run bit for bit: whoever knows it can strip the noise and see the batches, so the
     # reported epsilon does not hold against them. MLflow shows it redacted.
     secure_seed: Optional[int] = None
+
+
+@dataclass
+class AuditConfig:
+    enabled: bool = False  # audit=canaries: the one-run privacy audit (workbench/audit.py)
+    canaries: int = 1000
+    significance: float = 0.05
 
 
 @dataclass
@@ -101,6 +108,8 @@ class WorkbenchConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
+    callbacks: List[Any] = field(default_factory=list)  # Hydra `_target_` objects (workbench/callbacks.py)
 
     # Hugging Face TrainingArguments names.
     output_dir: Optional[str] = None  # None: Hydra's run dir from the CLI, else ./outputs/<timestamp>
@@ -196,6 +205,9 @@ def validate(cfg: DictConfig) -> None:
         raise WorkbenchError(f"privacy.accountant={p.accountant!r} is unknown; choose one of pld, rdp, prv")
     if cfg.bf16 and cfg.fp16:
         raise WorkbenchError("bf16=true and fp16=true: choose one precision")
+    if cfg.audit.canaries < 1 or not 0 < cfg.audit.significance < 1:
+        raise WorkbenchError(f"audit.canaries must be >= 1 and audit.significance in (0, 1), got "
+                             f"{cfg.audit.canaries} and {cfg.audit.significance}")
     if cfg.launcher.nprocs is not None and cfg.launcher.nprocs < 1:
         raise WorkbenchError(f"launcher.nprocs must be >= 1, got {cfg.launcher.nprocs}")
     if cfg.launcher.name not in ("inline", "local", "slurm"):

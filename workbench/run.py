@@ -17,10 +17,12 @@ from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from workbench import checkpoint, config, data, distributed, hf, privacy
+from workbench import callbacks as callbacks_, checkpoint, config, data, distributed, hf, privacy
+from workbench.audit import AuditResult
+from workbench.canaries import CanaryAudit
 from workbench.errors import WorkbenchError
-from workbench.tracking import git_sha, make_tracker, ui_command
 from workbench.models import prepare_model
+from workbench.tracking import git_sha, make_tracker, ui_command
 from workbench.trainer import Evaluator, GradientStep, History, Trainer, lr_lambda
 
 log = logging.getLogger("workbench")
@@ -42,6 +44,7 @@ class TrainResult:
     checkpoint: Path | None
     model: nn.Module = field(repr=False)
     history: History = field(repr=False)
+    audit: AuditResult | None = None  # audit=canaries: the lower bound on epsilon and how it was found
 
 
 def _instantiate(node: Any, what: str, **kwargs) -> Any:
@@ -67,8 +70,9 @@ def _quiet_unless(should_log: bool) -> None:
         logging.getLogger("workbench").setLevel(logging.WARNING)
 
 
-def train(cfg: DictConfig, compute_metrics: Callable | None = None) -> TrainResult:
-    """Run one job in this process (joining the job's process group when there is one)."""
+def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: list | None = None) -> TrainResult:
+    """Run one job in this process (joining the job's process group when there is one). ``callbacks``: objects with
+    ``on_step_end(state)`` and friends (workbench/callbacks.py), after those in ``cfg.callbacks``."""
     config.validate(cfg)
     d = distributed.setup(cfg.ddp_backend, cfg.ddp_timeout, cfg.log_on_each_node, cfg.save_on_each_node)
     tracker = None
@@ -77,7 +81,7 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None) -> TrainResu
         cfg.output_dir = d.broadcast_object(str(config.resolve_output_dir(cfg)))  # one run folder for every rank
         output_dir = Path(cfg.output_dir)
         config.check_writable(output_dir)
-        job = _build(cfg, d, compute_metrics)
+        job = _build(cfg, d, compute_metrics, callbacks or [])
         tracker = make_tracker(cfg, d.is_main)
         tags = {"backend": d.backend, "ddp_shard": cfg.ddp_shard, "world_size": d.world_size, "git_sha": git_sha(),
                 "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags}
@@ -102,11 +106,19 @@ def _autocast_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype | None
     return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else None
 
 
-def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None) -> dict[str, Any]:
+def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None, extra_callbacks: list) -> dict[str, Any]:
     """Everything that can be refused is built here, before an MLflow run exists."""
     torch.manual_seed(cfg.seed)
     autocast_dtype = _autocast_dtype(cfg, d.device)
     train_set = _instantiate(config.own_arguments(cfg, "data.train"), "data.train")
+    canaries = None
+    if cfg.audit.enabled:  # the canary slots join the population: N and q count them whatever their membership
+        if cfg.resume_from_checkpoint:
+            raise WorkbenchError("audit=canaries cannot resume a run yet (its observers start at step 0)")
+        canaries = CanaryAudit(cfg.audit.canaries, train_set, cfg.audit.significance)
+        train_set = canaries.dataset
+    user_callbacks = [*(_instantiate(c, "callbacks") for c in cfg.callbacks), *extra_callbacks]
+    callbacks_.check(user_callbacks)
     eval_set = _instantiate(config.own_arguments(cfg, "data.eval"), "data.eval") if cfg.data.get("eval") is not None else None
     collator = _instantiate(config.own_arguments(cfg, "data.collator"), "data.collator") \
         if cfg.data.get("collator") is not None else None
@@ -158,7 +170,8 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
                               f"target_epsilon={p.target_epsilon}", stacklevel=1)
                 total_steps = budget
 
-    step_fn = GradientStep(model, criterion, d, max_grad_norm=p.max_grad_norm if p.enabled else None,
+    trained, trained_criterion = canaries.wrap(model, criterion, p.max_grad_norm) if canaries else (model, criterion)
+    step_fn = GradientStep(trained, trained_criterion, d, max_grad_norm=p.max_grad_norm if p.enabled else None,
                            noise_multiplier=sigma, grad_sample_mode=p.grad_sample_mode,
                            max_physical_batch_size=cfg.max_physical_batch_size, autocast_dtype=autocast_dtype)
     # The same examples on every rank: a refusal is raised everywhere alike, before any run exists.
@@ -194,6 +207,12 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
     step_fn.noise_seed = data.stream_seed(secret, cfg.seed)  # known only now: a resumed run takes the checkpoint's
     sampler = data.PoissonBatchSampler(shard, total_steps, data.stream_seed(secret, cfg.data_seed if cfg.data_seed is not None
                                                                             else cfg.seed), d.rank, start_step)
+    named = [(name, prm) for name, prm in model.named_parameters() if prm.requires_grad]
+    if canaries:
+        user_callbacks.append(canaries.start(secret, cfg.seed, p.max_grad_norm, expected_batch, sigma, shard.sample_rate,
+                                             d.world_size, cfg.ddp_shard))
+        named = canaries.named_parameters(model)
+    job_callbacks = callbacks_.CallbackList(user_callbacks, model, named, total_steps)
     eval_loader = None
     if eval_set is not None:
         eval_loader = data.eval_loader(eval_set, data.eval_shard(len(eval_set), d.rank, d.world_size), cfg, d.device,
@@ -202,15 +221,17 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
                 scheduler=scheduler, accountant=accountant, secret=secret, delta=delta, sigma=sigma, total_steps=total_steps,
                 expected_batch=expected_batch, start_step=start_step, resume_run_id=resume_run_id, digest=digest,
                 loader=data.train_loader(train_set, sampler, cfg, d.device, collator), eval_loader=eval_loader,
-                metrics_fn=metrics_fn, fixed_modules=fixed, autocast_dtype=autocast_dtype)
+                metrics_fn=metrics_fn, canaries=canaries, callbacks=job_callbacks, fixed_modules=fixed,
+                autocast_dtype=autocast_dtype)
 
 
 def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str | None, output_dir: Path) -> TrainResult:
-    model, accountant, delta = job["model"], job["accountant"], job["delta"]
+    model, accountant, delta, canaries = job["model"], job["accountant"], job["delta"], job["canaries"]
     last_saved: list[Path | None] = [None]
 
     def state(step: int) -> dict:
-        return {"model": hf.model_state(model), "optimizer": job["optimizer"].state_dict(),
+        optimizer = job["optimizer"].state_dict()
+        return {"model": hf.model_state(model), "optimizer": canaries.without_canaries(optimizer) if canaries else optimizer,
                 "scheduler": job["scheduler"].state_dict(), "step": step, "run_id": run_id,
                 "privacy_digest": job["digest"], "world_size": d.world_size, "secret": job["secret"],
                 "accountant": accountant.state_dict() if accountant is not None else None}
@@ -227,7 +248,7 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
                               cfg.eval_use_gather_object, cfg.batch_eval_metrics, job["autocast_dtype"])
     trainer = Trainer(cfg, d, model, job["step_fn"], job["optimizer"], job["scheduler"], job["loader"],
                       evaluator or (lambda: {}), accountant, delta, tracker, job["expected_batch"],
-                      job["shard"].population, job["total_steps"], job["start_step"], save)
+                      job["shard"].population, job["total_steps"], job["start_step"], save, job["callbacks"])
     steps = trainer.fit()
     metrics = evaluator() if evaluator is not None else {}
     summary = {"steps": steps, "sample_rate": job["shard"].sample_rate, "world_size": d.world_size}
@@ -235,6 +256,11 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
     if accountant is not None:
         epsilon = accountant.epsilon(steps, delta)
         summary.update(epsilon=epsilon, delta=delta, noise_multiplier=job["sigma"])
+    found = None
+    if canaries:
+        found = canaries.result(epsilon, delta or privacy.default_delta(job["shard"].population), job["sigma"],
+                                job["shard"].sample_rate, steps, d.world_size, cfg.ddp_shard)
+        summary.update(found.metrics())
     final = {**metrics, **summary}
     if trainer.history.steps and trainer.history.steps[-1] == steps:
         final.pop("epsilon", None)  # already logged at this step by the loop: log each (metric, step) once
@@ -261,10 +287,13 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
         parts = [f"{k}={v:.4f}" for k, v in metrics.items()]
         if epsilon is not None:
             parts.append(f"epsilon={epsilon:.3f} at delta={delta:.1e}")
+        if found is not None:
+            parts.append(f"audit: epsilon>={found.epsilon_lower_bound:.3f} (ideal {found.ideal_lower_bound:.3f})")
         parts.append(f"steps={steps}")
         if run_id:
             parts.append(f"run_id={run_id} | {ui_command(uri)}")
         print("done: " + " ".join(parts), flush=True)
     return TrainResult(metrics=metrics, epsilon=epsilon, delta=delta, noise_multiplier=job["sigma"] if accountant else None,
                        sample_rate=job["shard"].sample_rate, steps=steps, run_id=run_id, tracking_uri=uri,
-                       output_dir=output_dir, checkpoint=last_saved[0], model=model, history=trainer.history)
+                       output_dir=output_dir, checkpoint=last_saved[0], model=model, history=trainer.history,
+                       audit=found)

@@ -22,7 +22,7 @@ import contextlib
 import torch
 from torch import nn
 
-from workbench import book_keeping
+from workbench import clipping
 from workbench.data import Batch, as_batch, step_generator
 from workbench.distributed import Dist, pad_concat
 from workbench.errors import WorkbenchError
@@ -31,22 +31,6 @@ from workbench.losses import logits_of
 log = logging.getLogger(__name__)
 # Opacus' hooks trigger this on every backward of a model whose inputs need no grad: expected, not actionable.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
-
-
-# Layers torch's expanded weights (grad_sample_mode=ew) computes per-sample gradients for.
-_EW_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.GroupNorm, nn.LayerNorm,
-              nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
-
-
-def fastest_grad_sample_mode(model: nn.Module) -> str:
-    """What grad_sample_mode=auto picks, by benchmarks/RESULTS.md: book-keeping for all-Linear models (one backward,
-    per-sample gradients never materialised), expanded weights where it covers every layer, else Opacus' hooks."""
-    layers = book_keeping.trainable_layers(model)
-    if layers and book_keeping.refusal(layers) is None:
-        return "bk"
-    if layers and all(type(m) in _EW_LAYERS for m in layers):  # exact types: a subclass may compute otherwise
-        return "ew"
-    return "hooks"
 
 
 class GradientStep:
@@ -69,7 +53,10 @@ class GradientStep:
         if len({p.dtype for p in self.params}) > 1:
             raise WorkbenchError(f"the model's trainable parameters mix dtypes {sorted({str(p.dtype) for p in self.params})}; "
                                  "one flat gradient buffer needs one")
-        self.module = self._wrap(model) if self.private else model
+        if self.private and self.mode == "auto":
+            self.mode = clipping.fastest_grad_sample_mode(model)
+        self.clipper = clipping.make(model, self.params, max_grad_norm=max_grad_norm, mode=self.mode)
+        self.module = self.clipper.module
         if self.private and autocast_dtype is not None and self.mode in ("ghost", "ew"):
             raise WorkbenchError(f"grad_sample_mode={self.mode} cannot run in mixed precision: its clipped sum is not "
                                  "computed from the per-sample gradients its norms were; use bk or hooks")
@@ -85,146 +72,51 @@ class GradientStep:
         self.numel = numel
         self.loss_sum, self.count = self.flat[-2], self.flat[-1]  # 0-d views: cheaper to add to than flat[-2]
 
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        if self.mode == "auto":
-            self.mode = fastest_grad_sample_mode(model)
-        if self.mode == "bk":
-            self.bk = book_keeping.BookKeeping(model, self.clip)
-            return model
-        from opacus.grad_sample import GradSampleModule, GradSampleModuleExpandedWeights
-        from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
-
-        if self.mode == "ghost":
-            return GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="sum",
-                                                        max_grad_norm=self.clip, use_ghost_clipping=True)
-        if self.mode == "ew":
-            return GradSampleModuleExpandedWeights(model, batch_first=True, loss_reduction="sum")
-        return GradSampleModule(model, batch_first=True, loss_reduction="sum", force_functorch=self.mode == "functorch")
-
     def check(self, batch: Any) -> None:
-        """Before any training, on a real batch: the criterion gives one loss per example, and book-keeping's
-        assumptions about the model hold (they cannot all be read off the layers)."""
-        batch = as_batch(batch).to(self.flat.device)
-        if self.private and self.mode == "bk":
-            self.bk.check(len(batch), self._losses_of(batch, precise=True))
-            return
-        was_training = self.module.training
-        self.module.eval()
-        try:
-            with torch.no_grad():
-                self._losses_of(batch)()
-        finally:
-            self.module.train(was_training)
+        """Before any training, on a real batch: the criterion gives one loss per example, and the strategy's
+        assumptions about the model hold (book-keeping's cannot all be read off the layers). Run in the parameters'
+        precision: the checks compare against autograd there."""
+        self.clipper.check(self._to_device(batch), self._precise_losses)
 
-    def _precision(self, precise: bool = False):
-        if self.autocast_dtype is None or precise:
-            return contextlib.nullcontext()
-        return torch.autocast(self.flat.device.type, dtype=self.autocast_dtype)
+    def _forward(self, module: nn.Module, batch: Batch) -> Any:
+        if self.private and self.mode == "ew":  # Opacus' wrapper reads the batch size off a positional input
+            from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
 
-    def _losses_of(self, batch: Batch, precise: bool = False) -> Callable[[], torch.Tensor]:
-        """The batch's forward and per-example losses, as a function (book-keeping runs it between its hooks).
-        ``precise``: without autocast, for checks that compare against autograd in the parameters' dtype."""
+            module = call_for_per_sample_grads(module._module, batch_size=len(batch), loss_reduction="sum")
+        return batch.forward(module)
 
-        def losses() -> torch.Tensor:
-            with self._precision(precise):
-                if self.private and self.mode == "ew":  # Opacus' wrapper reads the batch size off a positional input
-                    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
-
-                    output = batch.forward(call_for_per_sample_grads(self.module._module, batch_size=len(batch),
-                                                                     loss_reduction="sum"))
-                else:
-                    output = batch.forward(self.module)
-                return self._losses(output, batch.labels)
-
-        return losses
-
-    def _losses(self, output: Any, y: torch.Tensor) -> torch.Tensor:
-        losses = self.criterion(logits_of(output), y)
-        if losses.dim() != 1 or len(losses) != len(y):
+    def _precise_losses(self, module: nn.Module, batch: Batch) -> torch.Tensor:
+        """The loss function the clipping strategies call: forward ``module`` on the micro-batch, one loss per example."""
+        losses = self.criterion(logits_of(self._forward(module, batch)), batch.labels)
+        if losses.dim() != 1 or len(losses) != len(batch):
             raise WorkbenchError(f"the criterion must return one loss per example (reduction='none'), not shape "
-                                 f"{tuple(losses.shape)} for a batch of {len(y)}")
+                                 f"{tuple(losses.shape)} for a batch of {len(batch)}")
         return losses.float()
 
-    def _accumulate(self, batch: Batch) -> torch.Tensor:
-        """Add the micro-batch's (clipped) gradient sum to the flat buffer; return its per-sample losses."""
-        n = len(batch)
-        if self.private and self.mode == "bk":
-            if not self.bk.checked and n >= 2:  # normally done by check() before training
-                self.bk.check(n, self._losses_of(batch, precise=True))
-            return self.bk.accumulate(n, self._losses_of(batch), self.view_of)
-        losses = self._losses_of(batch)()
-        if not self.private:
-            losses.sum().backward()
-            for p, view in zip(self.params, self.grad_views):
-                if p.grad is not None:
-                    view.add_(p.grad)
-                    p.grad = None
-            return losses.detach()
-        if self.mode == "ghost":
-            return self._accumulate_ghost(losses)
-        losses.sum().backward()
-        # None: a parameter unused in this forward; its clipped gradient is zero. Norms, factors and the sum are in
-        # float32 (or the parameters' wider dtype) from the very values summed, whatever precision the backward ran in.
-        flat_samples = []
-        for p, view in zip(self.params, self.grad_views):
-            if p.grad_sample is None:
-                continue
-            self._check_per_example(p, p.grad_sample, n)
-            flat_samples.append((view, p.grad_sample.reshape(n, -1).to(view.dtype)))
-        norms = torch.zeros(n, device=losses.device)
-        if flat_samples:  # vector_norm and addmv_: no full-size temporaries of the per-sample gradients
-            norms = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(gs, dim=1) for _, gs in flat_samples], dim=1), dim=1)
-        factor = (self.clip / (norms + 1e-6)).clamp(max=1.0)
-        for view, gs in flat_samples:
-            view.view(-1).addmv_(gs.t(), factor.to(gs.dtype))
-        for p in self.params:
-            p.grad_sample = None
-            p.grad = None
-        return losses.detach()
+    def _losses(self, module: nn.Module, batch: Batch) -> torch.Tensor:
+        """As _precise_losses, under autocast with bf16/fp16: norms and clipping stay float32 (clipping/)."""
+        if self.autocast_dtype is None:
+            return self._precise_losses(module, batch)
+        with torch.autocast(self.flat.device.type, dtype=self.autocast_dtype):
+            return self._precise_losses(module, batch)
 
-    def _check_per_example(self, p: nn.Parameter, per_sample: torch.Tensor, n: int) -> None:
-        """Opacus sums over the batch, without a word, a layer whose input has no batch dimension: refuse it."""
-        if per_sample.shape[0] != n:
-            name = next(k for k, q in self.module.named_parameters() if q is p).removeprefix("_module.")
-            raise WorkbenchError(f"parameter {name!r} has no per-example gradient (its layer's input is shared by the "
-                                 "batch, e.g. position embeddings of shape (1, T)): freeze it, or feed it per-example "
-                                 "inputs")
+    def _to_device(self, batch: Any) -> Batch:
+        return as_batch(batch).to(self.flat.device, non_blocking=True)
 
-    def _accumulate_ghost(self, losses: torch.Tensor) -> torch.Tensor:
-        # Ghost clipping: a first backward yields per-sample norms without materialising per-sample gradients, a
-        # second backward of the clip-weighted loss yields the clipped sum directly.
-        losses.sum().backward(retain_graph=True)
-        norms = torch.zeros(len(losses), device=losses.device)
-        for p in self.params:
-            ns = getattr(p, "_norm_sample", None)
-            if ns is not None:
-                self._check_per_example(p, ns, len(losses))
-                norms.add_(ns.pow(2))
-                p._norm_sample = None
-            p.grad = None
-        factor = (self.clip / (norms.sqrt() + 1e-6)).clamp(max=1.0)
-        self.module.disable_hooks()
-        try:
-            (factor.detach() * losses).sum().backward()
-        finally:
-            self.module.enable_hooks()
-        for p, view in zip(self.params, self.grad_views):
-            if p.grad is not None:
-                view.add_(p.grad)
-                p.grad = None
-        return losses.detach()
+    def _micro_batches(self, batch: Batch):
+        for start in range(0, len(batch), self.max_physical_batch_size):
+            yield batch.slice(start, start + self.max_physical_batch_size)
 
     def __call__(self, batch: Any, step: int) -> tuple[float, float]:
         """Fill each parameter's .grad with the noised clipped sum; return the cluster-wide (loss sum, example count)."""
         self.flat.zero_()
         for p in self.params:  # a .grad left from outside (no zero_grad) must not leak unclipped into the backward modes
             p.grad = None
-        batch = as_batch(batch)
-        if batch is not None:
-            batch = batch.to(self.flat.device, non_blocking=True)
-            for start in range(0, len(batch), self.max_physical_batch_size):
-                losses = self._accumulate(batch.slice(start, start + self.max_physical_batch_size))
+        if batch is not None:  # 1-2: per-sample gradients, clipped and summed into the flat buffer
+            for micro_batch in self._micro_batches(self._to_device(batch)):
+                if getattr(self.clipper, "checked", True) is False:  # bk: normally check() ran before training
+                    self.clipper.check(micro_batch, self._precise_losses)
+                losses = self.clipper.accumulate(micro_batch, self._losses, self.view_of)
                 self.loss_sum.add_(losses.sum())
                 self.count.add_(len(losses))
         if self.private and self.sigma > 0 and self.dist.rank == 0:
@@ -356,8 +248,11 @@ class Trainer:
 
     def __init__(self, cfg, dist: Dist, model: nn.Module, step_fn: GradientStep, optimizer, scheduler, loader,
                  evaluator, accountant, delta: float | None, tracker, expected_batch: float, population: int,
-                 total_steps: int, start_step: int, save_fn: Callable[[int], None]):
+                 total_steps: int, start_step: int, save_fn: Callable[[int], None], callbacks=None):
+        from workbench.callbacks import CallbackList
+
         self.cfg, self.dist, self.model, self.step_fn = cfg, dist, model, step_fn
+        self.callbacks = callbacks or CallbackList([], model, [], total_steps)
         self.optimizer, self.scheduler, self.loader, self.evaluator = optimizer, scheduler, loader, evaluator
         self.accountant, self.delta, self.tracker = accountant, delta, tracker
         self.population = population
@@ -374,11 +269,13 @@ class Trainer:
         logger = StepLogger(self.tracker, self.accountant if self.dist.is_main else None, self.delta)
         window_loss, window_count, window_start = 0.0, 0.0, time.perf_counter()
         self.model.train()
+        self.callbacks.on_train_begin(step)
         try:
             for batch in self.loader:
                 loss_sum, count = self.step_fn(batch, step)
                 self.step_fn.divide_(self.expected_batch)
                 self.optimizer.step()
+                self.callbacks.on_step_end(step + 1)  # p.grad is still the released update here
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scheduler.step()
                 if self.accountant is not None:
@@ -402,6 +299,7 @@ class Trainer:
                 if cfg.save_steps and step % cfg.save_steps == 0 and step < self.total_steps:
                     logger.flush()
                     self.save_fn(step)
+            self.callbacks.on_train_end(step)
         finally:
             self.history = logger.close()
             bar.close()

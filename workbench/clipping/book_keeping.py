@@ -11,12 +11,11 @@ seeing every use of a weight. :meth:`BookKeeping.check` verifies this on a real 
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
+from workbench.clipping.base import LossFn, Strategy, clip_factors
 from workbench.errors import WorkbenchError
 
 
@@ -45,9 +44,11 @@ def _as_sequence(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.reshape(n, -1, t.shape[-1])
 
 
-class BookKeeping:
+class BookKeeping(Strategy):
+    """grad_sample_mode=bk."""
+
     def __init__(self, model: nn.Module, clip: float):
-        self.model, self.clip = model, clip
+        self.module, self.clip = model, clip
         self.layers = trainable_layers(model)
         why = refusal(self.layers)
         if why:
@@ -55,15 +56,7 @@ class BookKeeping:
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.checked = False
 
-    def _forward(self, losses_of: Callable[[], torch.Tensor], keep: Callable) -> torch.Tensor:
-        handles = [m.register_forward_hook(keep, with_kwargs=True) for m in self.layers]
-        try:
-            return losses_of()
-        finally:
-            for h in handles:
-                h.remove()
-
-    def _run(self, losses_of: Callable[[], torch.Tensor]):
+    def _run(self, batch, loss_fn: LossFn):
         """Forward with the recording hooks; returns the per-example losses and, per layer that ran, its input and the
         autograd edge of its output (the edge, not the tensor: memory like a non-private step's)."""
         records: list[tuple[nn.Module, torch.Tensor, object]] = []
@@ -73,7 +66,12 @@ class BookKeeping:
                 raise WorkbenchError("grad_sample_mode=bk: gradients are disabled in the model's forward (no_grad?)")
             records.append((m, _input(args, kwargs).detach(), get_gradient_edge(out)))
 
-        losses = self._forward(losses_of, keep)
+        handles = [m.register_forward_hook(keep, with_kwargs=True) for m in self.layers]
+        try:
+            losses = loss_fn(self.module, batch)
+        finally:
+            for h in handles:
+                h.remove()
         if not records:
             raise WorkbenchError("grad_sample_mode=bk: no nn.Linear layer ran in the model's forward")
         return losses, records
@@ -96,19 +94,19 @@ class BookKeeping:
             layers[m] = (a, g)
         return layers
 
-    def check(self, n: int, losses_of: Callable[[], torch.Tensor]) -> None:
+    def check(self, batch, loss_fn: LossFn) -> None:
         """On a real batch, in the model's training mode: each example's row of bk must be that example's own gradient
         (autograd's gradient of its loss alone). Time-major inputs, layers or losses that mix examples, and weights
-        used outside their layer all fail it; mixing that appears only in larger batches cannot be seen.
-        ``losses_of()`` runs the batch's forward (``n`` examples) and returns its per-example losses."""
+        used outside their layer all fail it; mixing that appears only in larger batches cannot be seen."""
+        was_training = self.module.training
+        self.module.train()  # the mode it trains in, whatever mode it was handed over in
+        try:
+            losses, records = self._run(batch, loss_fn)
+        finally:
+            self.module.train(was_training)
+        n = len(losses)
         if n < 2:  # one example cannot show mixing; accumulate checks the first larger batch
             return
-        was_training = self.model.training
-        self.model.train()  # the mode it trains in, whatever mode it was handed over in
-        try:
-            losses, records = self._run(losses_of)
-        finally:
-            self.model.train(was_training)
         grads = torch.autograd.grad(losses.sum(), [edge for _, _, edge in records], retain_graph=True,
                                     allow_unused=True)
         layers = self._by_layer(records, grads, n)
@@ -137,13 +135,12 @@ class BookKeeping:
                         "or uses the weight outside its layer; per-sample clipping cannot apply")
         self.checked = True
 
-    def accumulate(self, n: int, losses_of: Callable[[], torch.Tensor], view_of: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Add the micro-batch's clipped gradient sum into ``view_of`` (parameter id -> gradient buffer view);
-        ``losses_of()`` runs its forward (``n`` examples) and returns the per-example losses. Norms and clip factors
-        are float32 (or wider) from the very values summed, whatever precision the forward ran in."""
-        if not self.checked and n >= 2:  # GradientStep.check normally did this before training
-            self.check(n, losses_of)
-        losses, records = self._run(losses_of)
+    def accumulate(self, batch, loss_fn: LossFn, view_of: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Add the micro-batch's clipped gradient sum into ``view_of`` (parameter id -> gradient buffer view)."""
+        if not self.checked:  # GradientStep.check normally did this before training
+            self.check(batch, loss_fn)
+        losses, records = self._run(batch, loss_fn)
+        n = len(losses)
         grads = torch.autograd.grad(losses.sum(), [edge for _, _, edge in records], allow_unused=True)
         layers = self._by_layer(records, grads, n)
         dtype = next(iter(view_of.values())).dtype
@@ -162,7 +159,7 @@ class BookKeeping:
             if m.bias is not None and m.bias.requires_grad:
                 bias_grad = g.sum(1).to(norms2.dtype)
                 norms2.add_(torch.linalg.vecdot(bias_grad, bias_grad))
-        factor = norms2.sqrt_().add_(1e-6).reciprocal_().mul_(self.clip).clamp_(max=1.0)  # min(1, C / ||g_i||)
+        factor = clip_factors(norms2.sqrt_(), self.clip)
         for m, (a, g) in layers.items():
             # out of place: autograd may hand the same gradient tensor to two layers (z = a(x) + b(x))
             scaled = (g.to(factor.dtype) * factor.view(-1, *[1] * (g.dim() - 1))).to(dtype).reshape(-1, g.shape[-1])

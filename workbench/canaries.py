@@ -1,0 +1,173 @@
+"""Canaries for the one-run audit (``audit=canaries``): m Dirac gradient canaries that only the audit sees.
+
+- **Data.** The training set gets m extra slots after its own N examples (so N + m is the population the sampler and the
+  accountant see, whatever the membership). Slot j holds canary j if it drew "member" (probability 1/2, from the run's
+  secret, separate from the sampling and noise streams), else a blank example. Canary and blank slots go through the
+  same Poisson sampler, clipping, noise, all-reduce and accounting as every example: there is no separate path.
+- **Model.** Training runs on :class:`AuditedModel`: the user's model plus a canary block ``audit.canaries`` (an
+  ``nn.Linear(m, 1)`` at zero, so every per-sample mode supports it). Ordinary examples feed it a zero input: its
+  gradient from them is exactly 0. A slot's user-model output is detached: a slot's gradient on the user's parameters
+  is exactly 0. Canary j's loss is ``C * w_j``: its gradient is C e_j (norm C, so clipping leaves norm C up to the
+  trainer's stabiliser); a blank's is 0.
+- **Observers.** White-box: every released update's coordinate j, in units of C / B, is K_t + sigma Z_t; scored by
+  :func:`workbench.audit.white_box_llr`. Final model: how far w_j moved against its gradient, ``-w_j``.
+- **Shards.** Slots sit after the N examples; ``shard=per_rank`` drops the population's tail beyond a multiple of W,
+  so up to W - 1 slots may never be sampled: the bound stays valid, those canaries only carry no signal.
+- **What is kept.** The user's model never holds the block; checkpoints hold the user's model only, and the optimizer
+  state for the block is left out (:meth:`CanaryAudit.without_canaries`).
+
+Examples reach the model with their slot id as one extra trailing feature (0: ordinary, j + 1: canary j, -1: blank),
+so the dataset must yield ``(x, y)`` with a tensor ``x``; :class:`AuditedModel` strips the feature before the user's model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from workbench import audit
+from workbench.errors import WorkbenchError
+
+BLOCK = "audit.canaries"
+_MEMBERSHIP_STREAM = 0xA0D17  # keeps the membership draw apart from every other use of the secret
+
+
+def _tag(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x.reshape(len(x), -1), ids.to(x.dtype).unsqueeze(1)], dim=1)
+
+
+class CanaryDataset(Dataset):
+    """The user's N examples, then m slots (canary or blank); every example comes back tagged with its slot id."""
+
+    def __init__(self, base: Dataset, m: int):
+        self.base, self.m, self.n = base, m, len(base)
+        first = base[0]
+        if not (isinstance(first, (tuple, list)) and len(first) == 2 and isinstance(first[0], torch.Tensor)):
+            raise WorkbenchError("audit=canaries needs a training set of (x, y) examples with a tensor x")
+        self.template_x, self.template_y = torch.zeros_like(first[0]), torch.as_tensor(first[1])
+        if self.template_x.is_floating_point() and m + 1 > 2 / torch.finfo(self.template_x.dtype).eps:
+            raise WorkbenchError(f"audit.canaries={m} cannot be told apart in {self.template_x.dtype} inputs")
+        self.ids: torch.Tensor | None = None  # per slot: j + 1 for a member canary, -1 for a blank
+
+    def draw_membership(self, secret: int, seed: int) -> np.ndarray:
+        rng = np.random.default_rng(np.random.SeedSequence([secret, seed, _MEMBERSHIP_STREAM]))
+        members = rng.random(self.m) < 0.5
+        self.ids = torch.where(torch.from_numpy(members), torch.arange(1, self.m + 1), torch.tensor(-1))
+        return members
+
+    def __len__(self) -> int:
+        return self.n + self.m
+
+    def __getitem__(self, i: int):
+        return self.__getitems__([i])  # collate passes a pre-batched tuple through
+
+    def __getitems__(self, indices):
+        index = torch.as_tensor(indices, dtype=torch.long)
+        ordinary, slots = index[index < self.n].tolist(), index[index >= self.n] - self.n
+        parts = []
+        if ordinary:
+            got = self.base.__getitems__(ordinary) if hasattr(self.base, "__getitems__") else \
+                [self.base[i] for i in ordinary]
+            x, y = got if isinstance(got, tuple) else default_collate(list(got))
+            parts.append((_tag(x, torch.zeros(len(x), dtype=torch.long)), torch.as_tensor(y)))
+        if len(slots):
+            if self.ids is None:
+                raise RuntimeError("canary membership is drawn once the run's secret is known, before training")
+            x = self.template_x.expand(len(slots), *self.template_x.shape)
+            parts.append((_tag(x, self.ids[slots]), self.template_y.expand(len(slots), *self.template_y.shape)))
+        return tuple(torch.cat(t) for t in zip(*parts))
+
+
+class AuditedModel(nn.Module):
+    """The module training runs on: the user's model, plus the canary block that only slot examples reach."""
+
+    def __init__(self, model: nn.Module, m: int, example_shape: torch.Size):
+        super().__init__()
+        self.model, self.m, self.example_shape = model, m, tuple(example_shape)
+        self.canaries = nn.Linear(m, 1, bias=False)
+        nn.init.zeros_(self.canaries.weight)
+        first = next(p for p in model.parameters() if p.requires_grad)
+        self.canaries.to(device=first.device, dtype=first.dtype)  # one flat gradient buffer needs one dtype
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # (is_slot, canary term) for AuditedCriterion
+
+    def forward(self, tagged: torch.Tensor) -> torch.Tensor:
+        ids = tagged[:, -1].round().long()
+        out = self.model(tagged[:, :-1].reshape(len(tagged), *self.example_shape))
+        is_slot = ids != 0
+        out = torch.where(is_slot.view(-1, *[1] * (out.dim() - 1)), out.detach(), out)
+        onehot = nn.functional.one_hot((ids - 1).clamp(min=0), self.m) * (ids > 0).unsqueeze(1)
+        self.last = (is_slot, self.canaries(onehot.to(self.canaries.weight.dtype)).squeeze(1))
+        return out
+
+
+class AuditedCriterion(nn.Module):
+    """The user's per-example loss for ordinary examples; ``gain * w_j`` for canary j; 0 (no gradient) for a blank."""
+
+    def __init__(self, criterion: nn.Module, model: AuditedModel, gain: float):
+        super().__init__()
+        self.criterion, self.audited, self.gain = criterion, model, gain
+
+    def forward(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        losses = self.criterion(output, y)
+        is_slot, term = self.audited.last
+        return torch.where(is_slot, self.gain * term.to(losses.dtype), losses)
+
+
+class WhiteBoxObserver:
+    """A callback that sees every released update of the canary block and sums each canary's log-likelihood ratio."""
+
+    def __init__(self, m: int, clip: float, expected_batch: float, sigma: float, probs: np.ndarray):
+        self.scale, self.sigma, self.probs = expected_batch / clip, sigma, probs
+        self.scores = np.zeros(m)
+
+    def on_step_end(self, state) -> None:
+        x = state.updates[BLOCK].detach().reshape(-1).double().cpu().numpy() * self.scale
+        self.scores += audit.white_box_llr(x, self.sigma, self.probs)
+
+
+class CanaryAudit:
+    """Everything ``audit=canaries`` adds to a run, in the order run.py uses it."""
+
+    def __init__(self, m: int, train_set: Dataset, significance: float):
+        self.m, self.significance = m, significance
+        self.dataset = CanaryDataset(train_set, m)
+        self.members: np.ndarray | None = None
+        self.model: AuditedModel | None = None
+        self.observer: WhiteBoxObserver | None = None
+
+    def wrap(self, model: nn.Module, criterion: nn.Module, clip: float) -> tuple[AuditedModel, AuditedCriterion]:
+        self.model = AuditedModel(model, self.m, self.dataset.template_x.shape)
+        return self.model, AuditedCriterion(criterion, self.model, clip)
+
+    def named_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """The trained parameters by the names callbacks see: the user's own, then the canary block."""
+        return [(n, p) for n, p in model.named_parameters() if p.requires_grad] + [(BLOCK, self.model.canaries.weight)]
+
+    def start(self, secret: int, seed: int, clip: float, expected_batch: float, sigma: float, sample_rate: float,
+              world_size: int, shard: str) -> WhiteBoxObserver:
+        """Draw the membership (the secret is known now) and return the white-box observer, a callback."""
+        self.members = self.dataset.draw_membership(secret, seed)
+        self.probs = audit.multiplicity_probs(sample_rate, world_size, shard)
+        self.observer = WhiteBoxObserver(self.m, clip, expected_batch, sigma, self.probs)
+        return self.observer
+
+    def without_canaries(self, optimizer_state: dict[str, Any]) -> dict[str, Any]:
+        """The optimizer's state dict as an unaudited run's: the block (the last parameter) and its state left out."""
+        last = max(i for g in optimizer_state["param_groups"] for i in g["params"])
+        groups = [{**g, "params": [i for i in g["params"] if i != last]} for g in optimizer_state["param_groups"]]
+        return {"state": {i: s for i, s in optimizer_state["state"].items() if i != last}, "param_groups": groups}
+
+    def result(self, reported_epsilon: float | None, delta: float, sigma: float, sample_rate: float, steps: int,
+               world_size: int, shard: str) -> audit.AuditResult:
+        final_model = -self.model.canaries.weight.detach().reshape(-1).double().cpu().numpy()
+        scores = {"white_box": self.observer.scores, "final_model": final_model}
+        found = audit.audit(scores, self.members, delta, self.significance, reported_epsilon)
+        ideal = audit.ideal_lower_bound(self.m, sample_rate, sigma, steps, world_size, shard, delta,
+                                        self.significance, observers=len(scores))
+        from dataclasses import replace
+
+        return replace(found, ideal_lower_bound=ideal)

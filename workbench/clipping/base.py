@@ -1,0 +1,52 @@
+"""What every clipping strategy shares: the loss callable it is given and the interface it offers.
+
+A strategy is made once per run for one model and offers
+  ``module``                        the module to call in forward passes (the model, or Opacus' wrapper of it);
+  ``check(batch, loss_fn)``         before training, on a real batch: refuse what it would clip wrong;
+  ``accumulate(batch, loss_fn, view_of) -> losses``
+                                    add the micro-batch's sum of per-sample gradients, each clipped to C (or plain
+                                    gradients for the non-private twin), into ``view_of`` (parameter id -> a view of
+                                    the step's flat buffer); return the per-example losses, detached.
+``loss_fn(module, batch)`` runs the forward and returns one loss per example: the strategy decides which module is called
+and what autograd does with the losses; the trainer decides what a batch is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+class Strategy:
+    """Base of the strategies: ``check`` by default only runs the loss once (one loss per example?), without grad."""
+
+    module: nn.Module
+
+    def check(self, batch: Any, loss_fn: LossFn) -> None:
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                loss_fn(self.module, batch)
+        finally:
+            self.module.train(was_training)
+
+    def accumulate(self, batch: Any, loss_fn: LossFn, view_of: dict[int, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def clip_factors(norms: torch.Tensor, clip: float) -> torch.Tensor:
+    """min(1, C / ||g_i||) per example (in place on ``norms``)."""
+    return norms.add_(1e-6).reciprocal_().mul_(clip).clamp_(max=1.0)
+
+
+def add_grads(params: list[nn.Parameter], view_of: dict[int, torch.Tensor]) -> None:
+    """Move each parameter's .grad into its buffer view (None: unused in this forward, adds nothing)."""
+    for p in params:
+        if p.grad is not None:
+            view_of[id(p)].add_(p.grad)
+            p.grad = None
