@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -75,7 +76,9 @@ def lora(model: nn.Module, r: int = 8, alpha: float = 16, target_modules: Sequen
     config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(target_modules) if target_modules else None,
                         lora_dropout=dropout, modules_to_save=list(modules_to_save) if modules_to_save else None)
     try:
-        return get_peft_model(model, config)
+        with warnings.catch_warnings():  # GPT-2's Conv1D: peft sets fan_in_fan_out itself, and says so
+            warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")
+            return get_peft_model(model, config)
     except ValueError as e:
         raise WorkbenchError(f"peft=lora: {str(e).splitlines()[0]}") from None
 
