@@ -3,11 +3,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: install run test test-fast bench bench-quick clean
+.PHONY: install run test test-fast mutants bench bench-quick clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build (see shared/ENVIRONMENT.md)
+	# torch first, pinned: an unpinned torch pulls a multi-GB CUDA build on a machine without a GPU
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
@@ -22,6 +22,10 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+# Deliberate privacy bugs, each of which a named test must catch (tests/mutants.py); fails if one survives.
+mutants: install
+	$(PY) -m tests.mutants
 
 bench: install
 	$(PY) -m benchmarks

@@ -46,3 +46,31 @@ def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300
 
 
 from tests.slurm_cluster import slurm_cluster  # noqa: E402,F401  (session-scoped: a real SLURM with accounting)
+
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselection: count only the SLURM tests this session runs
+def pytest_collection_modifyitems(config, items):
+    config.stash[_SLURM_TESTS] = [item.nodeid for item in items if "slurm_cluster" in getattr(item, "fixturenames", ())]
+
+
+_SLURM_TESTS = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line saying whether the SLURM tests ran on a real cluster, and why not when they did not (`make test` runs
+    pytest -q, which hides skip reasons)."""
+    from tests.slurm_cluster import REQUIRE_ENV, slurm_available
+
+    slurm_tests = config.stash.get(_SLURM_TESTS, [])
+    if not slurm_tests:
+        return
+    skipped = {r.nodeid for r in terminalreporter.stats.get("skipped", [])}
+    not_run = [t for t in slurm_tests if t in skipped]
+    if not not_run:
+        terminalreporter.write_line(f"SLURM: the {len(slurm_tests)} SLURM tests ran on a real local cluster")
+        return
+    ok, reason = slurm_available()
+    terminalreporter.write_line(f"SLURM: {len(not_run)} of {len(slurm_tests)} SLURM tests skipped: "
+                                f"{reason or 'the cluster failed to start (pytest -rs shows why)'} "
+                                f"(CI sets {REQUIRE_ENV}=1, so there they fail instead)")

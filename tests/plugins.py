@@ -70,3 +70,59 @@ def tiny_blobs(count: int = 300, split_seed: int = 0):
     from workbench.data import Synthetic
 
     return Synthetic(size=count, seed=split_seed)
+
+
+class FlawedSynthetic(Synthetic):
+    """Synthetic data with one planted flaw, as a user's real data might have: `nan_input` or `inf_input` at example
+    `at`, a `negative_label` there, or `float_labels` throughout."""
+
+    def __init__(self, flaw: str, at: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        x, y = self.tensors
+        if flaw in ("nan_input", "inf_input"):
+            x[at, 3] = float("nan") if flaw == "nan_input" else float("inf")
+        elif flaw == "negative_label":
+            y[at] = -3
+        elif flaw == "float_labels":
+            y = y.float()
+        self.tensors = (x, y)
+
+
+class PoisonedSynthetic(Synthetic):
+    """Synthetic data whose batches turn to NaN from the `poison_from`-th batch fetch on (one fetch per training step),
+    past anything a pre-run check reads: a run that goes bad mid-training."""
+
+    def __init__(self, poison_from: int, **kwargs):
+        super().__init__(**kwargs)
+        self.poison_from, self.fetches = poison_from, 0
+
+    def __getitems__(self, indices):
+        self.fetches += list(indices) != list(range(len(indices)))  # pre-run checks read the first examples: not a step
+        x, y = super().__getitems__(indices)
+        return (x * float("nan"), y) if self.fetches >= self.poison_from else (x, y)
+
+
+class RecordingSynthetic(Synthetic):
+    """Synthetic data that records every index list it is asked for (in order), so a test can see the realised
+    Poisson batches of an in-process run."""
+
+    fetched: list = []
+
+    def __getitems__(self, indices):
+        RecordingSynthetic.fetched.append(list(indices))
+        return super().__getitems__(indices)
+
+
+class FailingSynthetic(Synthetic):
+    """Synthetic data that raises at its Nth batch fetch when $WB_FAIL_AT_FETCH=N: an in-process crash mid-training at
+    a deterministic step (counted per instance, so each run counts afresh)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fetches = 0
+
+    def __getitems__(self, indices):
+        self.fetches += 1
+        if os.environ.get("WB_FAIL_AT_FETCH") == str(self.fetches):
+            raise RuntimeError(f"injected failure at fetch {self.fetches}")
+        return super().__getitems__(indices)

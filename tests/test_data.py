@@ -74,3 +74,72 @@ def test_embedded_datasets():
     assert train.tensors[0].shape[1] == 64 and float(train.tensors[0].max()) <= 1.0
     s = Synthetic(size=100, seed=0)
     assert torch.equal(s.tensors[0], Synthetic(size=100, seed=0).tensors[0])
+
+
+# The statistical tests below are seeded (deterministic here); ALPHA is the chance that a correct Poisson sampler fails
+# one check under a fresh seed. With 7 checks the false-alarm rate of these tests is below 7 * ALPHA = 7e-4 (union bound).
+ALPHA = 1e-4
+
+
+def _two_sided_chi2(statistic: float, dof: int) -> float:
+    from scipy import stats
+
+    return 2 * min(stats.chi2.cdf(statistic, dof), stats.chi2.sf(statistic, dof))
+
+
+def _inclusions(n=200, per_device_batch=20, steps=2000, seed=3, world_size=1, mode="per_rank"):
+    """(rank, step, example) -> included?, from the real sampler of every rank."""
+    out = np.zeros((world_size, steps, n), dtype=bool)
+    for rank in range(world_size):
+        shard = train_shard(n, rank, world_size, mode, per_device_batch)
+        for step, batch in enumerate(PoissonBatchSampler(shard, steps=steps, seed=seed, rank=rank)):
+            out[rank, step, batch] = True
+    return out, shard.sample_rate
+
+
+def _binomial_goodness_of_fit(values: np.ndarray, trials: int, p: float, bins: int = 10) -> float:
+    """Chi-square p-value of iid values against Binomial(trials, p), in bins of about equal probability."""
+    from scipy import stats
+
+    edges = np.unique(stats.binom.ppf(np.linspace(0, 1, bins + 1)[1:-1], trials, p))  # upper ends of bins but the last
+    expected = np.diff(np.concatenate([[0.0], stats.binom.cdf(edges, trials, p), [1.0]])) * len(values)
+    observed = np.bincount(np.searchsorted(edges, values, side="left"), minlength=len(expected))
+    return stats.chisquare(observed, expected).pvalue
+
+
+def test_each_example_is_included_binomial_t_q_times():
+    """Counts over T steps ~ Binomial(T, q), iid across examples: a fixed or rotating subset, or a shuffle that
+    balances the counts (sampling without replacement), fails."""
+    included, q = _inclusions()
+    steps = included.shape[1]
+    counts = included[0].sum(0)
+    assert _binomial_goodness_of_fit(counts, steps, q) > ALPHA
+    dispersion = ((counts - steps * q) ** 2).sum() / (steps * q * (1 - q))  # ~ chi2(n): too small is as wrong as too big
+    assert _two_sided_chi2(dispersion, len(counts)) > ALPHA
+
+
+def test_pairs_of_examples_are_included_together_q_squared_of_the_time():
+    """Independence between examples: over disjoint pairs (neighbours, and a random pairing) the co-inclusion count
+    ~ Binomial(T, q^2), iid across pairs (exact, since the pairs share no example)."""
+    from scipy import stats
+
+    included, q = _inclusions()
+    steps, n = included.shape[1:]
+    for order in (np.arange(n), np.random.default_rng(0).permutation(n)):
+        a, b = order[0::2], order[1::2]
+        together = (included[0][:, a] & included[0][:, b]).sum(0)
+        assert stats.binomtest(int(together.sum()), len(together) * steps, q * q).pvalue > ALPHA
+        dispersion = ((together - steps * q * q) ** 2).sum() / (steps * q * q * (1 - q * q))
+        assert _two_sided_chi2(dispersion, len(together)) > ALPHA
+
+
+def test_global_shard_multiplicity_is_binomial_w_q():
+    """shard=global: each rank samples all N independently, so an example's multiplicity in a step is
+    K ~ Binomial(W, q_r) - the mixture the accountant charges for (DESIGN.md)."""
+    from scipy import stats
+
+    world_size = 3
+    included, q_r = _inclusions(steps=500, world_size=world_size, mode="global")
+    multiplicity = included.sum(0).ravel()  # one value per (step, example), independent
+    expected = stats.binom.pmf(np.arange(world_size + 1), world_size, q_r) * len(multiplicity)
+    assert stats.chisquare(np.bincount(multiplicity, minlength=world_size + 1), expected).pvalue > ALPHA

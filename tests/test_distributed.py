@@ -123,24 +123,23 @@ def test_batch_eval_metrics_aggregates_cluster_wide():
 def _collective_failure(fail_rank):
     from workbench.distributed import setup, teardown
 
-    d = setup("gloo", ddp_timeout=60)
+    d = setup("gloo", ddp_timeout=300)  # a hang would end in a timeout error, not the message the test expects
     try:
-        start = time.monotonic()
         try:
             with d.collective_phase("checkpoint save at step 3"):
                 if d.rank == fail_rank:
                     raise OSError("disk full")
         except RuntimeError as e:
-            return str(e), time.monotonic() - start
-        return None, time.monotonic() - start
+            return str(e)
+        return None
     finally:
         teardown(d)
 
 
-def test_failure_on_one_rank_reaches_every_rank_within_seconds():
-    for message, seconds in launch_distributed(_collective_failure, 2, 1):
+def test_failure_on_one_rank_reaches_every_rank_as_that_error():
+    # Rank 0 learns rank 1's own error, not a collective timeout (what a hang would end in): no clock needed.
+    for message in launch_distributed(_collective_failure, 2, 1):
         assert message == "checkpoint save at step 3 failed on rank 1: OSError('disk full')"
-        assert seconds < 10
 
 
 def _external_group_mismatch():
@@ -180,7 +179,10 @@ def test_parameters_stay_identical_and_only_rank_zero_tracks(tmp_path, mlflow_ur
     client = MlflowClient(tracking_uri=mlflow_uri)
     runs = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])
     assert [r.info.run_id for r in runs] == [run0]
-    assert runs[0].data.metrics["world_size"] == 2 and runs[0].data.tags["world_size"] == "2"
+    m = runs[0].data.metrics
+    assert m["world_size"] == 2 and runs[0].data.tags["world_size"] == "2"
+    # per_rank with W=2: q = B / N_used = (64 x 2) / 2048, derived here from the config, not read back from the run
+    assert eps0 == pytest.approx(_direct_epsilon({**m, "sample_rate": 128 / 2048}, "per_rank", 2), rel=1e-6)
 
 
 def _direct_epsilon(metrics, shard, world_size):
@@ -215,8 +217,8 @@ def test_torchrun_end_to_end(tmp_path, shard):
     # It learned (chance is 0.1): only 15 noisy steps at epsilon 3, so with a fresh secret each run the accuracy
     # varies, measured 0.78-0.89 over 12 runs for shard=global; 0.6 leaves room without hiding a broken step.
     assert m["eval_accuracy"] > 0.6
-    if shard == "per_rank":
-        assert "drops 1 of 1437 training examples" in proc.stderr
+    if shard == "per_rank":  # every rank drops the tail alike: the warning is printed once per job
+        assert proc.stderr.count("drops 1 of 1437 training examples") == 1
     outputs = list((tmp_path / "outputs").glob("*/*"))
     assert len(outputs) == 1  # one run folder for the job, not one per rank
 
@@ -224,11 +226,10 @@ def test_torchrun_end_to_end(tmp_path, shard):
 def _rank_one_dies():
     if os.environ["RANK"] == "1":
         os._exit(3)
-    time.sleep(120)  # rank 0 would wait for rank 1 forever in a collective
+    time.sleep(3600)  # rank 0 would wait for rank 1 forever in a collective
 
 
-def test_a_rank_dying_before_it_reports_fails_the_launch_fast():
-    start = time.monotonic()
+def test_a_rank_dying_before_it_reports_fails_the_launch_at_once():
+    # Waiting for rank 0 instead would end in launch_distributed's TimeoutError, not this error: no clock needed.
     with pytest.raises(RuntimeError, match="rank 1 failed: exited with code 3"):
-        launch_distributed(_rank_one_dies, 2)
-    assert time.monotonic() - start < 60
+        launch_distributed(_rank_one_dies, 2, timeout=300)

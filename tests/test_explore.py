@@ -73,8 +73,8 @@ def test_epsilon_curve_monotone(store):
     curve = explore.epsilon_curve(store.single.run_id, store.uri)
     assert list(curve.columns) == ["step", "epsilon", "loss"]
     assert list(curve.step) == [5, 10, 15, 20]  # experiment=quick logs every 5 of 20 steps
-    logged = curve.epsilon.dropna()  # the trainer may skip epsilon on a log line, never on the last one
-    assert logged.is_monotonic_increasing and (logged > 0).all() and logged.index[-1] == curve.index[-1]
+    logged = curve.epsilon  # every log line carries its own step's epsilon
+    assert np.isfinite(logged).all() and logged.is_monotonic_increasing and (logged > 0).all()
     assert logged.iloc[-1] == pytest.approx(store.single.epsilon) and store.single.epsilon <= 3
     assert np.isfinite(curve.loss).all()
     assert curve.epsilon.tolist() == pytest.approx(store.single.history.epsilon, nan_ok=True)
@@ -88,7 +88,8 @@ def test_plots_return_figures(store, tmp_path):
     ax = fig.axes[0]
     assert list(ax.lines[0].get_xdata()) == [5, 10, 15, 20]
     epsilon = np.asarray(ax.lines[0].get_ydata(), dtype=float)
-    assert np.isfinite(epsilon[np.argmax(np.isfinite(epsilon)):]).all()  # no gap in the epsilon line
+    assert list(epsilon) == pytest.approx(list(explore.epsilon_curve(store.single.run_id, store.uri).epsilon))
+    assert "delta = " in ax.get_ylabel()
     fig.savefig(tmp_path / "epsilon.png")
 
     runs = explore.sweep_frame(store.parent, store.uri)
@@ -156,3 +157,26 @@ def test_cli_multirun_sweep_reads_back(tmp_path, mlflow_uri):
     assert sorted(df["params.privacy.target_epsilon"]) == [2.0, 4.0]
     assert (df.epsilon <= df["params.privacy.target_epsilon"]).all()
     assert all("privacy.target_epsilon=" in o for o in df["tags.overrides"])
+
+
+def test_training_curves_draw_what_was_logged():
+    """A private run: every logged epsilon as a marker, delta in the label, a legend; no line through missing values.
+    A non-private run: the loss alone, no epsilon axis."""
+    from workbench.plots import training_curves
+    from workbench.trainer import History
+
+    history = History(steps=[10, 20, 30], loss=[2.0, 1.0, 0.5], epsilon=[1.0, float("nan"), 3.0], delta=1e-5)
+    fig = training_curves(history)
+    ax, twin = fig.axes
+    eps_line = ax.lines[0]
+    assert list(eps_line.get_xdata()) == [10, 20, 30] and eps_line.get_marker() == "."
+    assert np.isnan(eps_line.get_ydata()[1])  # a gap where nothing was logged, not an interpolated point
+    assert "delta = 1.0e-05" in ax.get_ylabel()
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["epsilon (delta = 1.0e-05)", "training loss"]
+    assert list(twin.lines[0].get_ydata()) == [2.0, 1.0, 0.5]
+
+    fig = training_curves(History(steps=[10, 20], loss=[2.0, 1.0]))
+    assert len(fig.axes) == 1
+    (ax,) = fig.axes
+    assert ax.get_ylabel() == "training loss" and len(ax.lines) == 1 and "non-private" in ax.get_title()
+    assert "epsilon" not in " ".join(t.get_text() for t in ax.get_legend().get_texts())

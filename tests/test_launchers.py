@@ -28,7 +28,7 @@ def test_two_task_job_completes_as_one_run(slurm_cluster, tmp_path):
     _, runs = _runs(uri)
     assert len(runs) == 1
     run = runs[0]
-    assert run.info.status == "FINISHED" and run.data.metrics["world_size"] == 2
+    assert run.info.status == "FINISHED" and run.data.metrics["world_size"] == 2 and run.data.tags["status"] == "finished"
     assert run.data.tags["job_id"] == job_id and run.data.tags["launcher"] == "slurm"
     run_dirs = list((tmp_path / "outputs").glob("*/*"))
     assert len(run_dirs) == 1  # one run folder chosen before submission
@@ -66,9 +66,8 @@ def test_preempted_job_requeues_and_ends_like_an_uninterrupted_run(slurm_cluster
     cfg = compose([*PREEMPT_ARGS, f"output_dir={tmp_path / 'preempted'}", "launcher=slurm", "launcher.wait=false",
                    "launcher.timeout_min=30"])
     job = launch(cfg)
-    deadline = time.monotonic() + 120
-    while not checkpoint.list_checkpoints(tmp_path / "preempted"):
-        assert time.monotonic() < deadline and not job.done(), "the job never wrote its first checkpoint"
+    while not checkpoint.list_checkpoints(tmp_path / "preempted"):  # polled on state; pytest-timeout bounds a hang
+        assert not job.done(), "the job ended without writing its first checkpoint"
         time.sleep(0.2)
     job._interrupt()  # submitit's preemption path: USR2 -> Job.checkpoint() -> scontrol requeue
     slurm_cluster.release_requeued(job.job_id)
@@ -99,6 +98,7 @@ def test_slurm_bad_input_fails_with_sbatch_message(slurm_cluster, tmp_path):
     assert "Traceback" not in proc.stderr
     client, runs = _runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert [r.info.status for r in runs] == ["FAILED"]  # the run made at submission is not left RUNNING
+    assert runs[0].data.tags["status"] == "failed" and "partition" in runs[0].data.tags["error"].lower()
 
 
 def test_slurm_without_sbatch_fails_fast(tmp_path):
@@ -117,10 +117,13 @@ def test_local_launcher_runs_two_ranks_as_one_job(tmp_path):
     proc = run_cli("launcher=local", "launcher.nprocs=2", "experiment=quick", "shard=global", "disable_tqdm=true",
                    cwd=tmp_path, env={"MLFLOW_TRACKING_URI": uri})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "done:" in proc.stdout
     _, runs = _runs(uri)
     assert len(runs) == 1 and runs[0].info.status == "FINISHED" and runs[0].data.metrics["world_size"] == 2
-    assert runs[0].data.tags["ddp_shard"] == "global"
+    assert runs[0].data.tags["ddp_shard"] == "global" and runs[0].data.tags["status"] == "finished"
+    # The closing line an inline run prints, with the job id: delta and the command that opens the MLflow UI.
+    (closing,) = [line for line in proc.stdout.splitlines() if line.startswith("done:")]
+    assert f"at delta={runs[0].data.metrics['delta']:.1e}" in closing and f"run_id={runs[0].info.run_id}" in closing
+    assert f"job_id={runs[0].data.tags['job_id']}" in closing and closing.endswith(f"mlflow ui --backend-store-uri {uri}")
 
 
 def test_local_launcher_fails_when_a_rank_fails(tmp_path):
@@ -131,7 +134,8 @@ def test_local_launcher_fails_when_a_rank_fails(tmp_path):
     assert proc.returncode == 2
     assert "failed" in proc.stderr and "compute_metrics='os.path.nosuch'" in proc.stderr
     _, runs = _runs(uri)
-    assert [r.info.status for r in runs] == ["FAILED"]
+    assert [r.info.status for r in runs] == ["FAILED"] and runs[0].data.tags["status"] == "failed"
+    assert "compute_metrics='os.path.nosuch'" in runs[0].data.tags["error"]  # the error is recorded on the run
 
 
 @pytest.mark.parametrize("plugin", ["submitit_local", "submitit_slurm"])

@@ -86,3 +86,9 @@ def test_privacy_utility_sweep(tmp_path, monkeypatch):
     assert sorted(private) == [1.0, 3.0, 8.0]
     assert all(e <= t for t, (e, _) in private.items())
     assert private[1.0][1] < private[8.0][1] <= baseline[0] + 0.02  # more privacy costs accuracy
+    # The parent's summary: publishing the three private points costs more than the largest alone; the best only, less
+    # than all (random stopping), still more than one point; the baseline is named as not private.
+    (all_points,) = set(number(text, "sweep_epsilon_all"))  # the sweep's closing line and the summary agree
+    (best,) = number(text, "sweep_epsilon_best")
+    assert max(e for e, _ in private.values()) < best and max(e for e, _ in private.values()) < all_points
+    assert "points=4 finished=4 failed=0" in text and "is not private" in text

@@ -295,3 +295,47 @@ def test_default_delta_is_below_one_over_n():
         assert privacy.default_delta(n) < 1 / n
     with pytest.raises(WorkbenchError, match="dataset_size"):
         privacy.default_delta(0)
+
+
+# ------------------------------------------------------------------------------------ the epsilon schedule
+
+
+def test_epsilon_schedule_gives_every_logging_step_its_own_epsilon():
+    from workbench.trainer import logging_steps
+
+    q, sigma = 256 / 1437, 1.6
+    steps = logging_steps(0, 57, 10)
+    assert steps == [10, 20, 30, 40, 50, 57]
+    schedule = privacy.EpsilonSchedule(privacy.Accountant("pld", q, sigma), DELTA, steps)
+    values = [schedule.get(s) for s in steps]  # waits for each
+    assert values == pytest.approx([direct_poisson_pld(q, sigma, s, DELTA, privacy.DEFAULT_PLD_DISCRETIZATION)
+                                    for s in steps], rel=REL)
+    assert values == sorted(values)
+    assert schedule.latest(35) == (30, values[2]) and schedule.latest(57) == (57, values[-1])
+    assert schedule.latest(5) is None
+    assert schedule.get(3) == pytest.approx(direct_poisson_pld(q, sigma, 3, DELTA, privacy.DEFAULT_PLD_DISCRETIZATION),
+                                            rel=REL)  # off the schedule: computed on demand
+    assert schedule.get(4, wait=False) is None
+    assert logging_steps(50, 57, 10) == [57] and logging_steps(20, 40, 10) == [30, 40]
+
+
+def test_a_run_with_fixed_noise_stops_at_the_budget(make_cfg, mlflow_uri):
+    """With sigma fixed and a target below what the planned steps cost, the run takes exactly the steps
+    dp_accounting allows (one more would exceed the target) and reports an epsilon within it, everywhere."""
+    from mlflow import MlflowClient
+
+    from workbench import train
+
+    q, sigma, planned = 64 / 2048, 1.0, 20  # experiment=quick: N=2048, B=64, max_steps=20
+    eps8, eps9 = (direct_poisson_pld(q, sigma, t, DELTA, privacy.DEFAULT_PLD_DISCRETIZATION) for t in (8, 9))
+    target = (eps8 + eps9) / 2  # 8 steps meet it, 9 exceed it
+    with pytest.warns(UserWarning, match=f"stops after 8 of {planned} steps"):
+        result = train(make_cfg("experiment=quick", f"privacy.noise_multiplier={sigma}",
+                                f"privacy.target_epsilon={target!r}", f"privacy.target_delta={DELTA}"))
+    assert result.steps == 8 and result.sample_rate == q and result.noise_multiplier == sigma
+    assert result.epsilon <= target
+    assert result.epsilon == pytest.approx(eps8, rel=REL)
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    assert client.get_run(result.run_id).data.metrics["steps"] == 8
+    logged = client.get_metric_history(result.run_id, "epsilon")
+    assert logged and all(m.value <= target for m in logged) and max(m.step for m in logged) == 8

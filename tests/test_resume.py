@@ -101,3 +101,25 @@ def test_streams_are_secret_unless_pinned(make_cfg, mlflow_uri):
     local = client.download_artifacts(run.info.run_id, "checkpoints", str(pinned[0].output_dir / "published"))
     published = checkpoint.load(next(__import__("pathlib").Path(local).glob("*.pt")))
     assert "secret" not in published and checkpoint.load(pinned[0].checkpoint)["secret"] == 7
+
+
+def test_an_unpinned_run_resumes_with_the_secret_of_its_checkpoint(make_cfg, tmp_path, monkeypatch):
+    """No secure_seed: the run draws a fresh secret and keeps it in its checkpoints. Resumed after a crash, it must
+    replay that secret's batches and noise: it ends exactly where an uninterrupted run pinned to that secret ends."""
+    from workbench import train
+
+    args = ["experiment=quick", "data.train._target_=tests.plugins.FailingSynthetic", "max_steps=20", "save_steps=5",
+            "tracking.enabled=false"]
+    crashed = tmp_path / "crashed"
+    monkeypatch.setenv("WB_FAIL_AT_FETCH", "13")  # the pre-run check's fetch, then steps 0..10: fails in step 11
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train(make_cfg(*args, f"output_dir={crashed}"))
+    monkeypatch.delenv("WB_FAIL_AT_FETCH")
+    latest = checkpoint.list_checkpoints(crashed)[-1]
+    assert latest.name == "checkpoint-10.pt"
+    secret = checkpoint.load(latest)["secret"]
+
+    resumed = train(make_cfg(*args, f"output_dir={crashed}", "resume_from_checkpoint=latest"))
+    pinned = train(make_cfg(*args, f"output_dir={tmp_path / 'pinned'}", f"privacy.secure_seed={secret}"))
+    assert resumed.steps == pinned.steps == 20 and resumed.epsilon == pinned.epsilon
+    assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), pinned.model.parameters()))

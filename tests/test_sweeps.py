@@ -1,64 +1,288 @@
-"""Hydra multirun sweeps in MLflow: one parent run per sweep, one child per point, even when points start at once."""
+"""Multirun sweeps in MLflow: one parent made by the driver, a child per point even when points start at once on a fresh
+store, the parent's summary (table, frontier, best point, counts) and the sweep's privacy cost."""
 
+import csv
+import math
 import multiprocessing as mp
+import warnings
 
+import dp_accounting
+import pytest
 from mlflow import MlflowClient
+from scipy.stats import norm
 
 from tests.conftest import run_cli
+from workbench import compose, explore, sweep
+from workbench.privacy import Accountant
 
 
-def test_multirun_is_one_parent_with_a_child_per_point(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    proc = run_cli("-m", "experiment=quick", "privacy.target_epsilon=1,3", "disable_tqdm=true", cwd=tmp_path,
+def _sweep_runs(uri, experiment="workbench"):
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    parents = [r for r in runs if r.data.tags.get("workbench.role") == "sweep"]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    return client, parents, children
+
+
+def _independent_epsilon_all(children, delta):
+    """dp_accounting's own PLD accountant, composing each child's Poisson-subsampled Gaussian steps."""
+    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=2e-4)
+    for c in children:
+        m = c.data.metrics
+        step = dp_accounting.PoissonSampledDpEvent(m["sample_rate"], dp_accounting.GaussianDpEvent(m["noise_multiplier"]))
+        acc.compose(dp_accounting.SelfComposedDpEvent(step, int(m["steps"])))
+    return acc.get_epsilon(delta)
+
+
+def test_multirun_parent_summarises_the_sweep_and_its_cost(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # a fresh store: the driver creates it before any point starts
+    proc = run_cli("-m", "experiment=quick", "privacy.target_epsilon=1,3,8", "disable_tqdm=true", cwd=tmp_path,
                    env={"MLFLOW_TRACKING_URI": uri})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    client = MlflowClient(tracking_uri=uri)
-    runs = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])
-    parents = [r for r in runs if r.data.tags.get("workbench.role") == "sweep"]
-    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
-    assert len(parents) == 1 and len(children) == 2
-    assert parents[0].info.status == "FINISHED"  # a grouping run, never left RUNNING
-    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
+    client, parents, children = _sweep_runs(uri)
+    assert len(parents) == 1 and len(children) == 3
+    parent = parents[0]
+    assert parent.info.status == "FINISHED"  # a grouping run, never left RUNNING
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parent.info.run_id}
     by_target = {c.data.params["privacy.target_epsilon"]: c for c in children}
-    assert set(by_target) == {"1.0", "3.0"}
+    assert set(by_target) == {"1.0", "3.0", "8.0"}
     for target, child in by_target.items():
         assert f"privacy.target_epsilon={target[:-2]}" in child.data.tags["overrides"]
-        assert child.data.metrics["epsilon"] <= float(target)
-        assert child.info.status == "FINISHED"
-    # The privacy-utility table of a sweep is one query.
-    table = client.search_runs([parents[0].info.experiment_id],
-                               f"tags.`mlflow.parentRunId` = '{parents[0].info.run_id}'")
-    assert len(table) == 2
+        assert child.data.metrics["epsilon"] <= float(target) and child.info.status == "FINISHED"
+
+    m = parent.data.metrics
+    assert (m["points"], m["points_finished"], m["points_failed"]) == (3, 3, 0)
+    delta = children[0].data.metrics["delta"]
+    assert m["sweep_delta"] == delta
+    assert m["sweep_epsilon_all"] == pytest.approx(_independent_epsilon_all(children, delta), rel=0.01)
+    assert m["sweep_epsilon_all"] > max(c.data.metrics["epsilon"] for c in children)
+    best = max(children, key=lambda c: c.data.metrics["eval_accuracy"])
+    assert m["best_eval_accuracy"] == best.data.metrics["eval_accuracy"]
+    assert parent.data.tags["best_eval_accuracy_run_id"] in {c.info.run_id for c in children
+                                                             if c.data.metrics["eval_accuracy"] == m["best_eval_accuracy"]}
+
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"sweep_table.csv", "frontier.png"}
+    with open(client.download_artifacts(parent.info.run_id, "sweep_table.csv", str(tmp_path))) as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(r["run_id"] for r in rows) == sorted(c.info.run_id for c in children)
+    assert list(rows[0])[:4] == ["overrides", "status", "epsilon", "delta"] and "eval_accuracy" in rows[0]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("sweep done: 3 points (3 FINISHED, 0 FAILED)") and parent.info.run_id in last
+    assert "sweep_epsilon_all=" in last and "best eval_accuracy=" in last
 
 
-def _start_child(uri, sweep_dir, barrier):
-    from workbench import compose
-    from workbench.tracking import MlflowTracker
-
-    cfg = compose([f"tracking.uri={uri}"])
-    tracker = MlflowTracker(cfg)
-    barrier.wait()
-    tracker.start({"point": "x"}, sweep_dir=sweep_dir)
-    tracker.finish()
-
-
-def test_points_starting_at_once_share_one_parent(tmp_path):
+@pytest.mark.slow
+def test_failed_point_is_counted_and_the_sweep_still_summarised(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    from workbench import compose
+    proc = run_cli("-m", "experiment=quick", "compute_metrics=workbench.metrics.accuracy,tests.plugins.broken_metrics",
+                   "disable_tqdm=true", cwd=tmp_path, env={"MLFLOW_TRACKING_URI": uri})
+    assert proc.returncode != 0  # Hydra fails the sweep at the failed point
+    _, parents, children = _sweep_runs(uri)
+    assert len(parents) == 1 and sorted(c.info.status for c in children) == ["FAILED", "FINISHED"]
+    m = parents[0].data.metrics
+    assert (m["points"], m["points_finished"], m["points_failed"]) == (2, 1, 1)
+    # The failed point trained before it failed: it counts, with its planned steps (an upper bound).
+    finished = next(c for c in children if c.info.status == "FINISHED")
+    planned = dp_accounting.pld.PLDAccountant(value_discretization_interval=2e-4)
+    step = dp_accounting.PoissonSampledDpEvent(finished.data.metrics["sample_rate"],
+                                               dp_accounting.GaussianDpEvent(finished.data.metrics["noise_multiplier"]))
+    planned.compose(dp_accounting.SelfComposedDpEvent(step, 20), 2)
+    assert m["sweep_epsilon_all"] == pytest.approx(planned.get_epsilon(m["sweep_delta"]), rel=0.01)
+
+
+@pytest.mark.slow
+def test_local_launcher_sweep_on_a_fresh_store(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = run_cli("-m", "launcher=local", "launcher.nprocs=1", "experiment=quick", "seed=0,1", "disable_tqdm=true",
+                   cwd=tmp_path, env={"MLFLOW_TRACKING_URI": uri})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    _, parents, children = _sweep_runs(uri)
+    assert len(parents) == 1 and sorted(c.info.status for c in children) == ["FINISHED", "FINISHED"]
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
+    assert parents[0].data.metrics["points_finished"] == 2 and "sweep_epsilon_all" in parents[0].data.metrics
+
+
+ROUNDS, POINTS = 5, 8
+
+
+def _point(tmp, index, barrier):
+    """One sweep point, tracking only, 5 times over: first use of a fresh store at once with every other point and the
+    driver, then (once the driver has written the parent) a child run started at once with the others."""
     from workbench.tracking import MlflowTracker
 
-    MlflowTracker(compose([f"tracking.uri={uri}"]))._experiment_id()  # the store exists, as after any first run
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(3)
-    procs = [ctx.Process(target=_start_child, args=(uri, str(tmp_path / "sweep"), barrier)) for _ in range(3)]
+    for r in range(ROUNDS):
+        cfg = compose([f"tracking.uri=sqlite:///{tmp / f'round{r}.db'}"])
+        barrier.wait()  # every process opens the fresh store at once
+        tracker = MlflowTracker(cfg)
+        tracker._experiment_id()
+        barrier.wait()  # the driver has made the parent
+        tracker.start({"point": str(index)}, sweep_dir=str(tmp / f"sweep{r}"))
+        tracker.log_metrics({"eval_accuracy": index / 10}, 1)
+        tracker.finish()
+        barrier.wait()
+
+
+@pytest.mark.slow
+def test_points_starting_at_once_on_a_fresh_store_share_one_parent(tmp_path):
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401 - imported once, here: forked points start at once
+
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(POINTS + 1, timeout=300)
+    procs = [ctx.Process(target=_point, args=(tmp_path, i, barrier)) for i in range(POINTS)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(120)
-    assert [p.exitcode for p in procs] == [0, 0, 0]
-    client = MlflowClient(tracking_uri=uri)
-    runs = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])
-    parents = [r for r in runs if r.data.tags.get("workbench.role") == "sweep"]
-    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
-    assert len(parents) == 1 and len(children) == 3
-    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
+    try:
+        for r in range(ROUNDS):
+            uri = f"sqlite:///{tmp_path / f'round{r}.db'}"
+            barrier.wait()
+            sweep.start(compose([f"tracking.uri={uri}"]), tmp_path / f"sweep{r}")  # the driver, racing the points
+            barrier.wait()
+            barrier.wait()
+            _, parents, children = _sweep_runs(uri)
+            assert len(parents) == 1, f"round {r}"
+            assert len(children) == POINTS and all(c.info.status == "FINISHED" for c in children), f"round {r}"
+            assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0] * POINTS
+
+
+def test_last_point_summarises_when_the_driver_left_first(tmp_path, capsys):
+    from workbench.tracking import MlflowTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = compose([f"tracking.uri={uri}"])
+    state = sweep.start(cfg, tmp_path / "sweep")
+    points = [MlflowTracker(cfg) for _ in range(2)]
+    for i, t in enumerate(points):
+        t.start({"overrides": f"seed={i}"}, sweep_dir=str(tmp_path / "sweep"))
+        t.log_metrics({"eval_accuracy": 0.5 + i / 10}, 1)
+    points[0].finish()
+    assert sweep.finish(tmp_path / "sweep") is None  # launcher.wait=false: the driver ends while a point runs
+    assert "still running" in capsys.readouterr().out
+    assert sweep.point_ended(tmp_path / "sweep") is None  # a point ends, another still runs
+    points[1].finish()
+    summary = sweep.point_ended(tmp_path / "sweep")
+    assert summary["points_finished"] == 2 and summary["best_eval_accuracy"] == 0.6
+    parent = MlflowClient(uri).get_run(state["parent_run_id"])
+    assert parent.data.metrics["points"] == 2 and sweep.PENDING_TAG not in parent.data.tags
+    assert parent.data.tags["best_eval_accuracy_run_id"] == points[1].run_id
+    assert sweep.point_ended(tmp_path / "sweep") is None  # summarised once
+
+
+# --------------------------------------------------------------------------------------------- privacy of a sweep
+
+
+def test_sweep_epsilon_all_is_dp_accountings_composition_of_mixed_events():
+    runs = [(Accountant("pld", 0.02, 1.1), 300), (Accountant("pld", 0.05, 2.0), 100),
+            (Accountant("pld", 0.01, 3.0, world_size=2, shard="global"), 200)]
+    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=2e-4)
+    for a, steps in runs:
+        acc.compose(a.event(steps))  # the Poisson and the parallel-Poisson (mixture of Gaussians) events
+    assert sweep.composed_epsilon(runs, 1e-5) == pytest.approx(acc.get_epsilon(1e-5), rel=0.01)
+    assert sweep.composed_epsilon(runs[:1], 1e-5) == pytest.approx(runs[0][0].epsilon(300, 1e-5), rel=1e-9)
+
+
+def _gaussian_rdp(order, sigma):
+    return order / (2 * sigma**2)  # the Gaussian mechanism, sensitivity 1 (Mironov 2017)
+
+
+def _rdp_to_dp(orders, rdp, delta):
+    """Canonne, Kamath & Steinke 2020, Prop. 12: eps = rdp + log((a-1)/a) - (log delta + log a) / (a-1)."""
+    return min(r + math.log((a - 1) / a) - (math.log(delta) + math.log(a)) / (a - 1) for a, r in zip(orders, rdp))
+
+
+def test_random_stopping_truncated_negative_binomial_is_theorem_2_on_a_worked_example():
+    # One trial: a Gaussian mechanism (q = 1, one step) with sigma = 4. K ~ D_{eta=1, gamma=0.1}, the geometric
+    # distribution: E[K] = 1 / gamma = 10 trials.
+    sigma, eta, gamma, delta = 4.0, 1.0, 0.1, 1e-6
+    assert sweep.expected_trials("truncated_negative_binomial", eta=eta, gamma=gamma) == pytest.approx(10.0)
+    orders = [1 + x / 10 for x in range(1, 100)] + list(range(11, 64))
+    hat = min([(1 + eta) * math.log(1 / gamma)]
+              + [(1 + eta) * (1 - 1 / a) * _gaussian_rdp(a, sigma) + (1 + eta) * math.log(1 / gamma) / a for a in orders])
+    tuned = [_gaussian_rdp(a, sigma) + hat + math.log(10.0) / (a - 1) for a in orders]
+    expected = _rdp_to_dp(orders, tuned, delta)
+    got = sweep.random_stopping_epsilon([(Accountant("pld", 1.0, sigma), 1)], delta, "truncated_negative_binomial",
+                                        eta=eta, gamma=gamma, orders=orders)
+    assert got == pytest.approx(expected, rel=1e-6)
+    one_run = Accountant("rdp", 1.0, sigma).epsilon(1, delta)
+    assert one_run < got < 10 * one_run  # tuning costs more than one run, far less than composing E[K] of them
+
+
+def test_random_stopping_poisson_is_theorem_6_on_a_worked_example():
+    sigma, mu, delta = 4.0, 5.0, 1e-6
+    orders = [1 + x / 10 for x in range(1, 100)] + list(range(11, 64))
+
+    def gaussian_delta(eps):  # the exact Gaussian privacy profile (Balle & Wang 2018)
+        return norm.cdf(1 / (2 * sigma) - eps * sigma) - math.exp(eps) * norm.cdf(-1 / (2 * sigma) - eps * sigma)
+
+    tuned = [_gaussian_rdp(a, sigma) + mu * gaussian_delta(math.log1p(1 / (a - 1))) + math.log(mu) / (a - 1)
+             for a in orders]
+    got = sweep.random_stopping_epsilon([(Accountant("pld", 1.0, sigma), 1)], delta, "poisson", poisson_mean=mu,
+                                        orders=orders)
+    assert got == pytest.approx(_rdp_to_dp(orders, tuned, delta), rel=1e-3)  # delta_hat from the (pessimistic) PLD
+
+
+def test_truncated_negative_binomial_draws_have_the_papers_mean():
+    import random
+
+    s = compose(["sweep.trials=truncated_negative_binomial", "sweep.tnb_eta=0.5", "sweep.tnb_gamma=0.3"]).sweep
+    pmf_mean = sum(k * sweep._tnb_pmf(k, 0.5, 0.3) for k in range(1, 2000))
+    assert sum(sweep._tnb_pmf(k, 0.5, 0.3) for k in range(1, 2000)) == pytest.approx(1.0)
+    assert pmf_mean == pytest.approx(sweep.expected_trials(s.trials, eta=0.5, gamma=0.3))
+    rng = random.Random(0)
+    draws = [sweep.draw_trials(s, rng) for _ in range(4000)]
+    assert min(draws) >= 1 and sum(draws) / len(draws) == pytest.approx(pmf_mean, rel=0.1)
+
+
+def test_random_stopping_sweep_trains_the_drawn_trials_and_reports_the_bound(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = ["experiment=quick", "disable_tqdm=true", f"tracking.uri={uri}", "sweep.tuning=random_stopping",
+              "sweep.trials=truncated_negative_binomial", "sweep.tnb_eta=1", "sweep.tnb_gamma=0.5", "sweep.seed=3"]
+    points = [["learning_rate=0.3"], ["learning_rate=0.6"]]
+    parent = explore.sweep(points, common, sweep_dir=tmp_path / "sweep")
+    trials = sweep.read_state(tmp_path / "sweep")["trials"]
+    assert sum(trials) >= 1
+    _, parents, children = _sweep_runs(uri)
+    assert [p.info.run_id for p in parents] == [parent] and len(children) == sum(trials)
+    m = parents[0].data.metrics
+    assert m["sweep_epsilon_best"] > max(c.data.metrics["epsilon"] for c in children)
+    runs = [(Accountant("pld", c.data.metrics["sample_rate"], c.data.metrics["noise_multiplier"]), 20) for c in children]
+    assert m["sweep_epsilon_best"] == pytest.approx(sweep.random_stopping_epsilon(
+        runs, m["sweep_delta"], "truncated_negative_binomial", eta=1, gamma=0.5))
+    assert "never drawn" not in parents[0].data.tags.get("sweep_notes", "")  # learning rates: one mechanism
+
+
+def test_random_stopping_warns_when_an_undrawn_point_could_cost_more(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = ["experiment=quick", "disable_tqdm=true", f"tracking.uri={uri}", "sweep.tuning=random_stopping",
+              "sweep.trials=poisson", "sweep.poisson_mean=1"]
+    points = [["privacy.target_epsilon=1"], ["privacy.target_epsilon=8"]]
+    seed = next(i for i in range(100) if _draws(common, points, i, tmp_path) == [1, 0])  # only epsilon 1 is trained
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        explore.sweep(points, [*common, f"sweep.seed={seed}"], sweep_dir=tmp_path / "sweep")
+    assert any("1 point(s) were never drawn" in str(w.message) and "privacy.target_epsilon" in str(w.message)
+               for w in caught)
+
+
+def _draws(common, points, seed, tmp_path):
+    cfg = compose([*common, f"sweep.seed={seed}", "tracking.enabled=false"])
+    return sweep.start(cfg, tmp_path / f"draw{seed}", points)["trials"]
+
+
+def test_points_on_different_data_warn_that_the_bound_does_not_apply(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    common = ["experiment=quick", "disable_tqdm=true", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        explore.sweep([["data.train.seed=0"], ["data.train.seed=5"], ["privacy=none"]], common,
+                      sweep_dir=tmp_path / "sweep")
+    messages = [str(w.message) for w in caught if str(w.message).startswith("sweep:")]
+    assert any("trained on different data" in m and "neighbour" in m for m in messages)
+    assert any("'privacy=none' is not private" in m for m in messages)

@@ -1,6 +1,7 @@
 """Tracking against real stores: a real `mlflow server` on 127.0.0.1, and failure paths that must not leave RUNNING."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,37 +13,41 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import run_cli
-from workbench import free_port
 from workbench.distributed import Dist, JobEnv
 
 
 @pytest.fixture
 def mlflow_server(tmp_path):
-    port = free_port()
+    """A real `mlflow server` on 127.0.0.1, on a port the OS picks when it binds (--port 0: no other process can take
+    it between choosing and binding); uvicorn's start-up line says which."""
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     mlflow_bin = Path(sys.executable).with_name("mlflow")
-    proc = subprocess.Popen(
-        [str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-         "--artifacts-destination", str(tmp_path / "artifacts")],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", "0", "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+             "--artifacts-destination", str(tmp_path / "artifacts")],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None, "mlflow server exited"
-            assert time.monotonic() < deadline, "mlflow server did not come up"
+        url = None
+        while url is None or not _healthy(url):  # polled on state; pytest-timeout bounds a server that never comes up
+            assert proc.poll() is None, f"mlflow server exited: {log.read_text()[-2000:]}"
+            found = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log.read_text())
+            url = found.group(1) if found else None
             time.sleep(0.3)
         yield url, tmp_path / "artifacts"
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
 
 
 @pytest.mark.slow

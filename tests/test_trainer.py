@@ -270,3 +270,67 @@ def test_step_refuses_a_batch_mean_loss_and_a_model_without_trainable_parameters
     frozen = _model().requires_grad_(False)
     with pytest.raises(WorkbenchError, match="no trainable parameters"):
         GradientStep(frozen, nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=1.0, noise_multiplier=0.0)
+
+
+@pytest.mark.parametrize("private", [True, False])
+def test_non_finite_update_stops_the_run_at_its_step_and_keeps_the_last_good_checkpoint(make_cfg, mlflow_uri, tmp_path,
+                                                                                         private):
+    from mlflow import MlflowClient
+
+    from workbench import train
+    from workbench.errors import TrainingStopped
+
+    cfg = make_cfg("experiment=quick", "data.train._target_=tests.plugins.PoisonedSynthetic", "+data.train.poison_from=5",
+                   "save_steps=2", "logging_steps=1", *([] if private else ["privacy=none"]))
+    with pytest.raises(TrainingStopped) as err:
+        train(cfg)
+    assert str(err.value).startswith("training stopped at step 5: the noised update became non-finite")
+    assert "\n" not in str(err.value)
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])
+    assert run.info.status == "FAILED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4]
+    from workbench.checkpoint import list_checkpoints
+
+    saved = [p.name for p in list_checkpoints(tmp_path / "run")]
+    assert saved == ["checkpoint-2.pt", "checkpoint-4.pt"]  # written before the bad step; none after it
+    state = torch.load(list_checkpoints(tmp_path / "run")[-1], weights_only=False)
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_update_is_the_clipped_sum_over_the_expected_batch_not_the_realised_one(make_cfg, tmp_path):
+    """Contract step 4 through the whole job: one SGD step moves the parameters by -lr * (clipped sum + noise) / B.
+    Runs with the same secret draw the same batch indices and the same noise whatever the data (N is fixed), so the
+    noise cancels in the difference of two data sets' updates; two learning rates on one data set give the start."""
+    from hydra.utils import instantiate
+
+    from tests.plugins import RecordingSynthetic
+    from workbench import train
+
+    batch, clip = 64, 0.1
+    common = ["experiment=quick", "max_steps=1", "optimizer.momentum=0", "weight_decay=0", "lr_scheduler_type=constant",
+              "privacy.secure_seed=11", "privacy.noise_multiplier=1", "privacy.target_epsilon=null",
+              f"per_device_train_batch_size={batch}", f"privacy.max_grad_norm={clip}",
+              "data.train._target_=tests.plugins.RecordingSynthetic", "tracking.enabled=false"]
+    after, fetched = {}, {}
+    for lr, data_seed in ((0.5, 0), (1.0, 0), (0.5, 3)):
+        RecordingSynthetic.fetched = []
+        after[lr, data_seed] = [p.detach() for p in train(make_cfg(
+            *common, f"learning_rate={lr}", f"data.train.seed={data_seed}",
+            f"output_dir={tmp_path / f'{lr}-{data_seed}'}")).model.parameters()]
+        fetched[data_seed] = RecordingSynthetic.fetched[-1]  # the last fetch is step 0's batch
+    start = [2 * a - b for a, b in zip(after[0.5, 0], after[1.0, 0])]  # p0 - lr g at lr = 0.5 and 1
+    assert fetched[0] == fetched[3]
+    indices = fetched[0]
+    assert len(indices) != batch  # the case that tells B from the realised batch apart
+
+    model = instantiate(make_cfg("experiment=quick").model)
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), start):
+            p.copy_(s)
+    sums = {}
+    for data_seed in (0, 3):
+        dataset = instantiate(make_cfg("experiment=quick", f"data.train.seed={data_seed}").data.train)
+        sums[data_seed] = _reference_for(lambda: model, dataset.tensors[0][indices], dataset.tensors[1][indices], clip)
+    for a0, a3, s0, s3 in zip(after[0.5, 0], after[0.5, 3], sums[0], sums[3]):
+        torch.testing.assert_close(a0 - a3, -0.5 * (s0 - s3) / batch, rtol=1e-3, atol=1e-6)

@@ -7,7 +7,7 @@ and tracking stacks.
 from importlib import import_module
 
 _API = {
-    "compose": "workbench.api", "launch_distributed": "workbench.api", "free_port": "workbench.api",
+    "compose": "workbench.api", "launch_distributed": "workbench.api",
     "train": "workbench.run", "TrainResult": "workbench.run", "WorkbenchError": "workbench.errors",
 }
 

@@ -1,28 +1,146 @@
-"""``python -m workbench [overrides]``: compose the config with Hydra and hand it to the launcher."""
+"""``python -m workbench [overrides]``: compose the config with Hydra and hand it to the launcher.
+
+Bad input gets one ``error:`` line and exit code 2 before any work: the overrides are composed and validated (every
+point of a sweep) before Hydra's app starts, so a refused config leaves no run folder; a refusal that needs the data
+(found by the pre-run check inside the job) removes the folder Hydra made for it.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import time
+from pathlib import Path
+from typing import Sequence
 
 import hydra
 from omegaconf import DictConfig
 
 from workbench import config
-from workbench.errors import WorkbenchError
+from workbench.errors import TrainingStopped, WorkbenchError
 
 config.register()
+_STARTED = time.time()  # files older than this are not this job's to remove
+
+
+def refuse(error: WorkbenchError) -> None:
+    """One line; exit 2 for bad input, 1 for a run that started and had to stop."""
+    print("error: " + " ".join(str(error).split()), file=sys.stderr, flush=True)
+    sys.exit(1 if isinstance(error, TrainingStopped) else 2)
 
 
 @hydra.main(version_base="1.3", config_path=str(config.CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
+    try:
+        launch_or_clean_up(cfg, _hydra_run_dir())
+    except WorkbenchError as e:  # Hydra would print a traceback: bad input gets one line and exit code 2
+        refuse(e)
+
+
+def launch_or_clean_up(cfg: DictConfig, hydra_dir: Path | None = None):
+    """launch() each config of this Hydra job; on a refusal, remove the folders this job created that hold nothing but
+    Hydra's own files."""
     from workbench.launch import launch
+    from workbench.sweep import point_configs
+
+    created = _first_missing(Path(cfg.output_dir).expanduser().resolve()) if cfg.output_dir else None
+    try:
+        # One config; under sweep.tuning=random_stopping, the trials drawn for this point (maybe none).
+        return [launch(job_cfg) for job_cfg in point_configs(cfg)]
+    except WorkbenchError as e:
+        if isinstance(e, TrainingStopped):  # a run exists: its folder (log, checkpoints) stays
+            raise
+        cwd = Path.cwd().resolve()
+        for folder in (created, hydra_dir):  # never the working dir or above it (hydra.run.dir=. on ranks > 0)
+            if folder is not None and folder.resolve() not in (cwd, *cwd.parents) and _only_bookkeeping(folder):
+                shutil.rmtree(folder, ignore_errors=True)
+                _prune_empty_parents(folder)
+        raise
+
+
+def _hydra_run_dir() -> Path | None:
+    from hydra.core.hydra_config import HydraConfig
 
     try:
-        launch(cfg)
-    except WorkbenchError as e:  # Hydra would print a traceback: bad input gets one line and exit code 2
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        path = Path(HydraConfig.get().runtime.output_dir)
+    except ValueError:
+        return None
+    return path if path.is_dir() and path.stat().st_mtime >= _STARTED - 1 else None
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The topmost folder of `path` that does not exist yet (what mkdir(parents=True) would create), if any."""
+    missing = None
+    for p in (path, *path.parents):
+        if p.exists():
+            return missing
+        missing = p
+    return missing
+
+
+def _only_bookkeeping(folder: Path) -> bool:
+    """Nothing but empty folders, Hydra's .hydra/ and log files, all written by this job: safe to remove."""
+    if not folder.is_dir():
+        return False
+    for f in folder.rglob("*"):
+        if f.is_dir():
+            continue
+        ours = ".hydra" in f.relative_to(folder).parts or f.suffix == ".log"
+        if not ours or f.stat().st_mtime < _STARTED - 1:
+            return False
+    return True
+
+
+def _prune_empty_parents(folder: Path) -> None:
+    """Hydra's outputs/<date>/ and outputs/ when the removed run folder was all they held (never the working dir)."""
+    cwd = Path.cwd().resolve()
+    for parent in folder.resolve().parents:
+        if parent == cwd or cwd not in parent.parents:
+            return
+        try:
+            parent.rmdir()  # only if empty
+        except OSError:
+            return
+
+
+def check_args(argv: Sequence[str]) -> list[DictConfig]:
+    """Compose and validate what `python -m workbench argv` would run (each value of each swept key, with -m) before
+    Hydra's app makes any folder. Raises WorkbenchError. Hydra's own flags (--help, --cfg, ...) are left to Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    from workbench.api import _one_line, compose
+
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    argv = list(argv)
+    for i, a in reversed(list(enumerate(argv))):  # printing the config (--cfg job) checks the overrides too
+        if a in ("--cfg", "-c", "--package", "-p") and i + 1 < len(argv):
+            del argv[i:i + 2]
+        elif a == "--resolve":
+            del argv[i]
+    if any(a.startswith("-") and a not in ("-m", "--multirun") for a in argv):
+        return []  # --help, --info, another config (-cn, -cp, -cd): Hydra's own business
+    overrides = [a for a in argv if not a.startswith(("-", "hydra.", "+hydra.", "++hydra.", "~hydra."))]
+    points = [overrides]
+    if multirun:
+        try:
+            parsed = OverridesParser.create().parse_overrides(overrides)
+        except OverrideParseException as e:
+            raise WorkbenchError(_one_line(e, overrides)) from None
+        first = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override()
+                 else o.input_line for o in parsed]
+        points = [first]
+        for i, o in enumerate(parsed):
+            if o.is_sweep_override():
+                points += [first[:i] + [f"{o.get_key_element()}={v}"] + first[i + 1:]
+                           for v in list(o.sweep_string_iterator())[1:]]
+    configs = []
+    for point in points:
+        cfg = compose(point)
+        config.validate(cfg)
+        configs.append(cfg)
+    return configs
 
 
 def _non_zero_rank_overrides() -> list[str]:
@@ -34,6 +152,10 @@ def _non_zero_rank_overrides() -> list[str]:
 
 
 def cli() -> int:
+    try:
+        check_args(sys.argv[1:])
+    except WorkbenchError as e:
+        refuse(e)
     sys.argv += _non_zero_rank_overrides()
     main()
     return 0

@@ -1,21 +1,26 @@
 """The structured config: one schema, Hugging Face ``TrainingArguments`` names, validated before any work.
 
-Hydra composes ``conf/`` on top of :class:`WorkbenchConfig`, so a typo'd key or a wrong type is refused by Hydra itself;
-:func:`validate` then checks values and cross-field rules and raises :class:`WorkbenchError` with one line.
+Hydra composes ``conf/`` on top of :class:`WorkbenchConfig` (a typo'd key or a wrong type fails there; the API's
+``compose`` turns that into one line); :func:`validate` then checks keys added with ``+``, every numeric range,
+interpolations and cross-field rules, and raises :class:`WorkbenchError` with one line.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from workbench.errors import WorkbenchError
 
@@ -76,6 +81,22 @@ class TrackingConfig:
 
 
 @dataclass
+class SweepConfig:
+    """What a multirun sweep's parent run reports (workbench/sweep.py)."""
+
+    metrics: Dict[str, str] = field(default_factory=lambda: {"eval_accuracy": "max"})  # best point by: max | min
+    # all: every point may be published (cost: sweep_epsilon_all). random_stopping: the driver runs K trials, K drawn
+    # from `trials` (poisson: mean poisson_mean; truncated_negative_binomial: tnb_eta, tnb_gamma), each a uniformly
+    # drawn point, and only the best is published (cost: sweep_epsilon_best, Papernot & Steinke 2022).
+    tuning: str = "all"
+    trials: str = "poisson"
+    poisson_mean: float = 3.0
+    tnb_eta: float = 0.0
+    tnb_gamma: float = 0.2
+    seed: Optional[int] = None  # the draw of K and of the points (None: fresh randomness)
+
+
+@dataclass
 class LauncherConfig:
     name: str = "inline"  # inline | local | slurm
     nprocs: Optional[int] = None  # local: processes on this machine (None: one per GPU, else 2)
@@ -108,6 +129,7 @@ class WorkbenchConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     callbacks: List[Any] = field(default_factory=list)  # Hydra `_target_` objects (workbench/callbacks.py)
 
@@ -162,30 +184,124 @@ def register() -> None:
     ConfigStore.instance().store(name="workbench_schema", node=WorkbenchConfig)
 
 
-def _positive(cfg: DictConfig, *names: str) -> None:
-    for name in names:
+# Nodes whose keys are a user object's own keyword arguments (a model's, dataset's, optimizer's, criterion's) or
+# free-form maps: `+key=value` may add to them. Everywhere else a key must be part of the schema.
+FREE_FORM = ("data", "model", "optimizer", "criterion", "tracking.tags", "launcher.additional_parameters")
+
+SEED_MAX = 2**32 - 1  # numpy's (and so Hugging Face's set_seed) limit
+STEPS_MAX = 10**9  # far beyond any run; above it the accountant and the step streams would not finish
+
+
+@dataclass(frozen=True)
+class Range:
+    low: float
+    high: float = math.inf
+    low_open: bool = False  # low itself refused
+    high_open: bool = False
+
+    def describe(self) -> str:
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '>='} {self.low}"
+        return f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+
+    def holds(self, value: float) -> bool:
+        return ((value > self.low if self.low_open else value >= self.low)
+                and (value < self.high if self.high_open else value <= self.high))
+
+
+# Every numeric knob and what it accepts (null stays allowed where the schema says Optional). NaN and inf never pass.
+RANGES = {
+    "seed": Range(0, SEED_MAX), "data_seed": Range(0, SEED_MAX),
+    "per_device_train_batch_size": Range(1), "per_device_eval_batch_size": Range(1), "max_physical_batch_size": Range(1),
+    "learning_rate": Range(0, low_open=True), "weight_decay": Range(0),
+    "num_train_epochs": Range(0), "max_steps": Range(-1, STEPS_MAX), "warmup_steps": Range(0, STEPS_MAX),
+    "logging_steps": Range(1), "eval_steps": Range(1), "save_steps": Range(1), "save_total_limit": Range(1),
+    "ddp_timeout": Range(1), "dataloader_num_workers": Range(0), "dataloader_prefetch_factor": Range(1),
+    "privacy.target_epsilon": Range(0, low_open=True), "privacy.target_delta": Range(0, 1, low_open=True, high_open=True),
+    "privacy.noise_multiplier": Range(0), "privacy.max_grad_norm": Range(0, low_open=True),
+    "privacy.secure_seed": Range(0, 2**63 - 1),
+    "audit.canaries": Range(1), "audit.significance": Range(0, 1, low_open=True, high_open=True),
+    "sweep.poisson_mean": Range(0, low_open=True), "sweep.tnb_eta": Range(-1, low_open=True),
+    "sweep.tnb_gamma": Range(0, 1, low_open=True, high_open=True), "sweep.seed": Range(0, SEED_MAX),
+    "launcher.nprocs": Range(1), "launcher.nodes": Range(1), "launcher.gpus_per_node": Range(0),
+    "launcher.tasks_per_node": Range(1), "launcher.cpus_per_task": Range(1), "launcher.mem_gb": Range(0, low_open=True),
+    "launcher.timeout_min": Range(1), "launcher.max_num_timeout": Range(0),
+}
+
+
+def schema_keys(schema: type = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (for suggestions)."""
+    keys = []
+    for name, kind in get_type_hints(schema or WorkbenchConfig).items():
+        keys.append(prefix + name)
+        if dataclasses.is_dataclass(kind):
+            keys += schema_keys(kind, f"{prefix}{name}.")
+    return keys
+
+
+def unknown_key(key: str) -> WorkbenchError:
+    parent, _, leaf = key.rpartition(".")
+    siblings = [k.rpartition(".")[2] for k in schema_keys() if k.rpartition(".")[0] == parent]
+    close = [k for k in siblings if k.startswith(leaf) or leaf.startswith(k)] or \
+        difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)
+    hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+    return WorkbenchError(f"unknown key {key!r}{hint} (the schema is workbench/config.py; new keys are taken only "
+                          f"under {', '.join(FREE_FORM)})")
+
+
+def check_keys(cfg: DictConfig, schema: type = WorkbenchConfig, prefix: str = "") -> None:
+    """Refuse keys added outside the free-form nodes (`+privacy.epsilon=3` would otherwise be silently ignored) and
+    schema keys removed with `~key`."""
+    hints = get_type_hints(schema)
+    for key in cfg.keys():
+        if key not in hints:
+            raise unknown_key(prefix + str(key))
+    for name, kind in hints.items():
+        if name not in cfg:
+            raise WorkbenchError(f"{prefix}{name} cannot be removed (~{prefix}{name}): the schema needs it; set it instead")
+        if dataclasses.is_dataclass(kind):
+            node = cfg._get_node(name)
+            if isinstance(node, DictConfig) and not node._is_none() and not node._is_interpolation():
+                check_keys(node, kind, f"{prefix}{name}.")
+
+
+def _check_resolvable(cfg: DictConfig) -> None:
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        where = f"{e.full_key}: " if getattr(e, "full_key", None) else ""
+        if "HydraConfig was not set" in str(e):  # ${hydra:...} resolves only inside the Hydra app: checked there
+            return
+        cause = str(e).splitlines()[0].replace("KeyError raised while resolving interpolation: ", "")
+        raise WorkbenchError(f"{where}cannot resolve {cause}") from None
+
+
+def _check_ranges(cfg: DictConfig) -> None:
+    for name, allowed in RANGES.items():
         value = OmegaConf.select(cfg, name)
-        if value is not None and value <= 0:
-            raise WorkbenchError(f"{name} must be > 0, got {value}")
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise WorkbenchError(f"{name} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise WorkbenchError(f"{name} must be a finite number {allowed.describe()}, got {value}")
+        if not allowed.holds(value):
+            raise WorkbenchError(f"{name} must be {allowed.describe()}, got {value}")
 
 
 def validate(cfg: DictConfig) -> None:
-    """Check values and cross-field rules. Raises WorkbenchError (one line) on the first problem."""
+    """Check keys, values and cross-field rules. Raises WorkbenchError (one line) on the first problem."""
+    check_keys(cfg)
+    _check_resolvable(cfg)
     for knob in REFUSED_KNOBS:
         if cfg.get(knob) is not None:
             raise WorkbenchError(
                 f"{knob} is refused: it conflicts with Poisson sampling, which draws every batch itself "
                 "(the privacy accounting depends on it); remove the setting"
             )
-    _positive(cfg, "per_device_train_batch_size", "per_device_eval_batch_size", "max_physical_batch_size",
-              "learning_rate", "logging_steps", "eval_steps", "save_steps", "ddp_timeout", "privacy.max_grad_norm",
-              "privacy.target_epsilon")
+    _check_ranges(cfg)
     if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
         raise WorkbenchError(f"set max_steps > 0 or num_train_epochs > 0 (got {cfg.max_steps}, {cfg.num_train_epochs})")
-    if cfg.save_total_limit is not None and cfg.save_total_limit < 1:
-        raise WorkbenchError(f"save_total_limit must be >= 1 or null, got {cfg.save_total_limit}")
-    if cfg.warmup_steps < 0 or cfg.dataloader_num_workers < 0 or cfg.weight_decay < 0:
-        raise WorkbenchError("warmup_steps, dataloader_num_workers and weight_decay must be >= 0")
     if cfg.lr_scheduler_type not in LR_SCHEDULERS:
         raise WorkbenchError(f"lr_scheduler_type={cfg.lr_scheduler_type!r} is unknown; choose one of {', '.join(LR_SCHEDULERS)}")
     if cfg.ddp_shard not in SHARD_MODES:
@@ -197,19 +313,10 @@ def validate(cfg: DictConfig) -> None:
         raise WorkbenchError(f"privacy.grad_sample_mode={p.grad_sample_mode!r} is unknown; choose one of {', '.join(GRAD_SAMPLE_MODES)}")
     if p.enabled and p.noise_multiplier is None and p.target_epsilon is None:
         raise WorkbenchError("privacy needs privacy.noise_multiplier or privacy.target_epsilon (or privacy.enabled=false)")
-    if p.noise_multiplier is not None and p.noise_multiplier < 0:
-        raise WorkbenchError(f"privacy.noise_multiplier must be >= 0, got {p.noise_multiplier}")
-    if p.target_delta is not None and not 0 < p.target_delta < 1:
-        raise WorkbenchError(f"privacy.target_delta must be in (0, 1), got {p.target_delta}")
     if p.accountant not in ("pld", "rdp", "prv"):
         raise WorkbenchError(f"privacy.accountant={p.accountant!r} is unknown; choose one of pld, rdp, prv")
     if cfg.bf16 and cfg.fp16:
         raise WorkbenchError("bf16=true and fp16=true: choose one precision")
-    if cfg.audit.canaries < 1 or not 0 < cfg.audit.significance < 1:
-        raise WorkbenchError(f"audit.canaries must be >= 1 and audit.significance in (0, 1), got "
-                             f"{cfg.audit.canaries} and {cfg.audit.significance}")
-    if cfg.launcher.nprocs is not None and cfg.launcher.nprocs < 1:
-        raise WorkbenchError(f"launcher.nprocs must be >= 1, got {cfg.launcher.nprocs}")
     if cfg.launcher.name not in ("inline", "local", "slurm"):
         raise WorkbenchError(f"launcher.name={cfg.launcher.name!r} is unknown; choose one of inline, local, slurm")
 

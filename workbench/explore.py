@@ -5,6 +5,7 @@
     runs = explore.sweep_frame(parent)                      # one row per run: params.*, final metrics, tags.*
     explore.plot_frontier(runs, "eval_accuracy")            # eval metric vs epsilon, baseline as a line
     explore.plot_epsilon(runs.run_id[0])                    # epsilon and loss vs step of one run
+    explore.sweep_summary(parent)                           # the parent's table, best points and sweep_epsilon_all
 
 ``python -m workbench.explore frontier --out docs/frontier.png [overrides...]`` redraws the README's picture.
 """
@@ -33,7 +34,7 @@ BASELINE = ("privacy=none", "learning_rate=0.5")
 DEFAULT_SWEEP: tuple[tuple[str, ...], ...] = tuple((f"privacy.target_epsilon={e}",) for e in EPSILONS) + (BASELINE,)
 
 __all__ = ["BASELINE", "DEFAULT_SWEEP", "EPSILONS", "epsilon_curve", "plot_epsilon", "plot_frontier", "runs_frame",
-           "summary", "sweep", "sweep_frame", "train_local"]
+           "summary", "sweep", "sweep_frame", "sweep_summary", "train_local"]
 
 
 def _figures_render_in_notebooks() -> None:
@@ -78,23 +79,27 @@ def train_local(cfg_or_overrides: DictConfig | Sequence[str] = (), nprocs: int =
 def sweep(points: Sequence[Sequence[str]] = DEFAULT_SWEEP, overrides: Sequence[str] = (),
           sweep_dir: str | Path | None = None) -> str | None:
     """Train each point (a list of overrides, after the common `overrides`) in this process, one after the other, as
-    child runs of one MLflow parent run, like ``python -m workbench -m ...`` does. Run folders go under `sweep_dir`
-    (default ``multirun/<date>/<time>``). Returns the parent run id (None with tracking off)."""
-    from mlflow import MlflowClient
-
-    from workbench import compose, train
+    child runs of one MLflow parent run, like ``python -m workbench -m ...`` does: the parent is made first and
+    summarised at the end (table, frontier, best point, ``sweep_epsilon_all``; see workbench/sweep.py). With
+    ``sweep.tuning=random_stopping`` in `overrides`, each point is trained as many times as the random draw says.
+    Run folders go under `sweep_dir` (default ``multirun/<date>/<time>``). Returns the parent run id (None with
+    tracking off)."""
+    from workbench import compose, sweep as sweeps, train
 
     root = Path(sweep_dir or Path("multirun") / time.strftime("%Y-%m-%d/%H-%M-%S")).resolve()
-    parent = None
-    for i, point in enumerate(points):
-        cfg = compose([*overrides, *point, f"output_dir='{root / str(i)}'"])
-        with open_dict(cfg):
-            cfg.tracking.sweep_dir = str(root)
-            cfg.tracking.tags.setdefault("overrides", " ".join(point))
-        result = train(cfg)
-        if parent is None and result.run_id is not None:
-            parent = MlflowClient(result.tracking_uri).get_run(result.run_id).data.tags.get(PARENT_TAG)
-    return parent
+    state = sweeps.start(compose(list(overrides)), root, points=points)
+    try:
+        for i, point in enumerate(points):
+            for trial in range(sweeps.trials_for_point(root, i)):
+                folder = root / str(i) if trial == 0 else root / f"{i}-trial-{trial}"
+                cfg = compose([*overrides, *point, f"output_dir='{folder}'"])
+                with open_dict(cfg):
+                    cfg.tracking.sweep_dir = str(root)
+                    cfg.tracking.tags.setdefault("overrides", " ".join(point))
+                train(cfg)
+    finally:
+        sweeps.finish(root)
+    return state["parent_run_id"]
 
 
 # ------------------------------------------------------------------------------------------------------ reading runs
@@ -170,9 +175,23 @@ def sweep_frame(parent_run_id: str, tracking_uri: str | None = None):
     return runs_frame(parent_run_id=parent_run_id, tracking_uri=tracking_uri)
 
 
+def sweep_summary(parent_run_id: str, tracking_uri: str | None = None) -> dict[str, Any]:
+    """What a sweep's parent run reports (workbench/sweep.py): its metrics (points, points_finished, points_failed,
+    best_<metric>, sweep_epsilon_all, sweep_delta, sweep_epsilon_best...), its best-point tags, ``notes`` (why a bound
+    may not apply) and ``table``, the ``sweep_table.csv`` artifact as a DataFrame (one row per point)."""
+    import pandas as pd
+
+    client = _client(tracking_uri)
+    run = client.get_run(parent_run_id)
+    with tempfile.TemporaryDirectory() as tmp:
+        table = pd.read_csv(client.download_artifacts(parent_run_id, "sweep_table.csv", tmp))
+    tags = {k: v for k, v in run.data.tags.items() if k.startswith("best_")}
+    return {**run.data.metrics, **tags, "notes": run.data.tags.get("sweep_notes", ""), "table": table}
+
+
 def epsilon_curve(run_id: str, tracking_uri: str | None = None):
-    """A run's logged history as a DataFrame: step, epsilon, loss. Epsilon is NaN for a non-private run, and on a log
-    line whose epsilon the trainer skipped (it always logs the final step's)."""
+    """A run's logged history as a DataFrame: step, epsilon, loss. Epsilon is NaN for a non-private run (and on the log
+    lines of runs from before every line carried its epsilon)."""
     import pandas as pd
 
     client = _client(tracking_uri)
@@ -192,14 +211,13 @@ def plot_epsilon(run_id: str, tracking_uri: str | None = None):
     logs as its ``training_curves.png`` artifact)."""
     from workbench.plots import training_curves
 
-    df = epsilon_curve(run_id, tracking_uri).set_index("step")
-    # A log line may lack epsilon (the accountant is skipped when it falls behind): join the known points, as a line
-    # through them would, rather than break the curve.
-    epsilon = df["epsilon"].interpolate(method="index", limit_area="inside")
-    df = df.assign(epsilon=epsilon)[df["loss"].notna()].reset_index()
+    df = epsilon_curve(run_id, tracking_uri)
+    df = df[df["loss"].notna()]
+    delta = _client(tracking_uri).get_run(run_id).data.metrics.get("delta")
     fig = training_curves(SimpleNamespace(steps=df["step"].tolist(), loss=df["loss"].tolist(),
-                                          epsilon=df["epsilon"].tolist()))
-    fig.axes[0].set_title(f"run {run_id[:8]}: privacy spent and training loss")
+                                          epsilon=df["epsilon"].tolist(), delta=delta))
+    ax = fig.axes[0]
+    ax.set_title(f"run {run_id[:8]}: {ax.get_title()}")
     return fig
 
 

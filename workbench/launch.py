@@ -83,8 +83,9 @@ class Job:
 
         result = train(OmegaConf.create(self.cfg_yaml))
         atexit.register(_exit_if_reported, env.paths.result_pickle)
-        return {"rank": env.global_rank, "metrics": result.metrics, "epsilon": result.epsilon, "steps": result.steps,
-                "run_id": result.run_id, "output_dir": str(result.output_dir)}
+        return {"rank": env.global_rank, "metrics": result.metrics, "epsilon": result.epsilon, "delta": result.delta,
+                "steps": result.steps, "run_id": result.run_id, "tracking_uri": result.tracking_uri, "audit": result.audit,
+                "output_dir": str(result.output_dir)}
 
     def checkpoint(self, *args, **kwargs):
         import submitit
@@ -133,6 +134,7 @@ def _local_gpus() -> int:
 
 def submit(cfg: DictConfig) -> Any:
     """Submit one job (local processes or SLURM); wait for it and report, or print where it runs and return."""
+    from workbench.run import closing_line
     from workbench.tracking import make_tracker
 
     output_dir = config.resolve_output_dir(cfg)
@@ -146,9 +148,10 @@ def submit(cfg: DictConfig) -> Any:
     try:
         job = executor.submit(Job(OmegaConf.to_yaml(cfg, resolve=True)))
     except Exception as e:  # noqa: BLE001 - surface sbatch's own message in one line
+        message = f"submission failed: {' '.join(str(e).split())[:400]}"
+        tracker.set_tags({"error": message})
         tracker.finish("FAILED")
-        message = " ".join(str(e).split())
-        raise WorkbenchError(f"submission failed: {message[:400]}") from None
+        raise WorkbenchError(message) from None
     tracker.set_tags({"job_id": job.job_id})
     print(f"submitted job {job.job_id} ({cfg.launcher.name}) run folder {output_dir}"
           + (f" MLflow run {tracker.run_id}" if tracker.run_id else ""), flush=True)
@@ -157,13 +160,12 @@ def submit(cfg: DictConfig) -> Any:
     try:
         results = job.results()
     except Exception as e:  # noqa: BLE001 - any rank failing fails the launch
+        message = f"job {job.job_id} failed (logs in {output_dir / 'submitit'}): {' '.join(str(e).split())[-600:]}"
+        tracker.set_tags({"error": message})
         tracker.finish_if_running("FAILED")
-        tail = " ".join(str(e).split())[-600:]
-        raise WorkbenchError(f"job {job.job_id} failed (logs in {output_dir / 'submitit'}): {tail}") from None
+        raise WorkbenchError(message) from None
     main = next(r for r in results if r["rank"] == 0)
-    parts = [f"{k}={v:.4f}" for k, v in main["metrics"].items()]
-    if main["epsilon"] is not None:
-        parts.append(f"epsilon={main['epsilon']:.3f}")
-    print(f"job {job.job_id} done: " + " ".join(parts) + f" steps={main['steps']} run_id={main['run_id']}", flush=True)
+    print(closing_line(main["metrics"], main["epsilon"], main["delta"], main["steps"], main["run_id"],
+                       main["tracking_uri"], job_id=job.job_id, audit=main["audit"]), flush=True)
     return main
 

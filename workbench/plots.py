@@ -9,17 +9,29 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def training_curves(history):
-    """Epsilon (left axis) and training loss (right axis) against the logical step."""
+    """What a run logged against the logical step: for a private run epsilon (left axis, one marker per logged line,
+    delta in its label) and the training loss (right axis); for a non-private run the loss alone. ``history`` has
+    ``steps``, ``loss``, ``epsilon`` (empty or all NaN: non-private) and optionally ``delta``. Nothing is drawn that was
+    not logged: a line logged without epsilon (runs from before every line had one) leaves a gap, not a straight line."""
+    epsilon = list(history.epsilon)
+    private = any(e == e for e in epsilon)  # NaN != NaN
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
-    known = [(s, e) for s, e in zip(history.steps, history.epsilon) if e == e]  # NaN: a line logged without epsilon
-    if known:  # a private run
-        ax.plot(*zip(*known), color="tab:blue", marker=".", label="epsilon")
-        ax.set_ylabel("epsilon", color="tab:blue")
     ax.set_xlabel("step")
-    twin = ax.twinx()
-    twin.plot(history.steps, history.loss, color="tab:orange", label="loss")
-    twin.set_ylabel("training loss", color="tab:orange")
-    ax.set_title("privacy spent and training loss")
+    if not private:
+        ax.plot(history.steps, history.loss, color="tab:orange", marker=".", label="training loss")
+        ax.set_ylabel("training loss")
+        ax.set_title("training loss (non-private run: no privacy spent)")
+        ax.legend(loc="upper right", fontsize=8)
+    else:
+        delta = getattr(history, "delta", None)
+        label = "epsilon" + (f" (delta = {delta:.1e})" if delta is not None else "")
+        ax.plot(history.steps, epsilon, color="tab:blue", marker=".", label=label)
+        ax.set_ylabel(label, color="tab:blue")
+        twin = ax.twinx()
+        twin.plot(history.steps, history.loss, color="tab:orange", marker=".", label="training loss")
+        twin.set_ylabel("training loss", color="tab:orange")
+        ax.set_title("privacy spent and training loss")
+        ax.legend(handles=ax.lines + twin.lines, loc="center right", fontsize=8)
     fig.tight_layout()
     plt.close(fig)
     return fig

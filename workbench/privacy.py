@@ -9,6 +9,7 @@ One concept per name (Opacus style):
   ``sum_k Binom(k; W, q_r) N(k, sigma^2)`` vs ``N(0, sigma^2)`` (``MixtureOfGaussiansDpEvent``).
   For ``W == 1`` that mixture *is* the Poisson-subsampled Gaussian, and the Poisson event is returned.
 - :class:`Accountant` -- the ledger of one run: fixed (kind, q, sigma, W, shard), epsilon as a function of steps.
+- :class:`EpsilonSchedule` -- epsilon at every logging step of a run, computed ahead on a background thread.
 - :func:`calibrate_noise` -- the smallest sigma that the same accountant class accepts for a target epsilon.
 - :func:`validate_privacy_args`, :func:`default_delta` -- argument checks and the default delta (below 1/N).
 
@@ -300,13 +301,7 @@ class Accountant:
         if self.noise_multiplier == 0:
             return math.inf
         if self.kind == "pld":
-            d = self.pld_discretization
-            if self._pld_step is None:
-                self._pld_step = _step_pld(_step_event(self.sample_rate, self.noise_multiplier, self.world_size,
-                                                       self.shard), d)
-            # identity().compose(...) reproduces PLDAccountant(d).compose(event).get_epsilon(delta) bit for bit
-            composed = _pld.identity(value_discretization_interval=d).compose(self._pld_step.self_compose(steps))
-            return float(composed.get_epsilon_for_delta(delta))
+            return float(self.pld(steps).get_epsilon_for_delta(delta))
         if self.kind == "rdp":
             return float(_rdp.RdpAccountant().compose(self.event(steps)).get_epsilon(delta))
         from opacus.accountants import PRVAccountant
@@ -314,6 +309,21 @@ class Accountant:
         prv = PRVAccountant()
         prv.history = [(self.noise_multiplier, self.sample_rate, steps)]
         return float(prv.get_epsilon(delta))
+
+    def pld(self, steps: int) -> _pld.PrivacyLossDistribution:
+        """The privacy loss distribution of ``steps`` steps (whatever ``kind``): what a sweep composes across runs."""
+        d = self.pld_discretization
+        if self._pld_step is None:
+            self._pld_step = _step_pld(_step_event(self.sample_rate, self.noise_multiplier, self.world_size, self.shard), d)
+        # identity().compose(...) reproduces PLDAccountant(d).compose(event).get_epsilon(delta) bit for bit
+        return _pld.identity(value_discretization_interval=d).compose(self._pld_step.self_compose(int(steps)))
+
+    def rdp(self, steps: int, orders) -> np.ndarray:
+        """Renyi DP of ``steps`` steps at each of ``orders`` (``dp_accounting``'s RDP accountant)."""
+        if self.shard == "global" and self.world_size > 1:
+            raise WorkbenchError(f"no RDP accountant for shard=global (parallel Poisson) with world_size={self.world_size}")
+        accountant = _rdp.RdpAccountant(orders=list(orders)).compose(self.event(int(steps)))
+        return np.asarray(accountant._rdp, dtype=float)  # pylint: disable=protected-access
 
     def max_steps(self, target_epsilon: float, delta: float, upper: int) -> int:
         """The largest ``T <= upper`` with ``epsilon(T, delta) <= target_epsilon``; 0 if one step already exceeds it.
@@ -386,6 +396,60 @@ class Accountant:
                   state["pld_discretization"])
         acc.load_state_dict(state)
         return acc
+
+
+class EpsilonSchedule:
+    """Epsilon at each of a run's logging steps, computed once, in step order, on a background thread.
+
+    q, sigma and the step count are fixed before the first step, so the whole curve is known in advance: every logged
+    line, the progress bar and the closing picture show the epsilon of their own step (each value is the accountant's
+    own ``epsilon(step, delta)``, so the last one equals the reported final epsilon), and the training thread never
+    waits for a PLD composition.
+    """
+
+    def __init__(self, accountant: "Accountant", delta: float, steps):
+        import threading
+
+        self.accountant, self.delta, self.steps = accountant, delta, sorted(set(steps))
+        self._values: dict[int, float] = {}
+        self._error: BaseException | None = None
+        self._done = threading.Condition()
+        self._thread = threading.Thread(target=self._work, name="workbench-epsilon-schedule", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        for step in self.steps:
+            try:
+                value = self.accountant.epsilon(step, self.delta)
+            except BaseException as e:  # noqa: BLE001 - re-raised where a value is asked for
+                with self._done:
+                    self._error = e
+                    self._done.notify_all()
+                return
+            with self._done:
+                self._values[step] = value
+                self._done.notify_all()
+
+    def get(self, step: int, wait: bool = True) -> float | None:
+        """Epsilon after ``step`` steps; with ``wait=False``, None while it is still being computed."""
+        if step not in self._values and step not in self.steps:
+            return self.accountant.epsilon(step, self.delta) if wait else None
+        with self._done:
+            if wait:
+                self._done.wait_for(lambda: step in self._values or self._error is not None)
+            if self._error is not None:
+                raise RuntimeError("the epsilon schedule failed") from self._error
+            return self._values.get(step)
+
+    def latest(self, step: int) -> tuple[int, float] | None:
+        """The newest (step, epsilon) already computed at or before ``step``, without waiting."""
+        import bisect
+
+        with self._done:
+            i = bisect.bisect_right(self.steps, step) - 1
+            if i >= 0 and self.steps[i] not in self._values:  # computed in step order: the newest so far is before it
+                i = len(self._values) - 1
+            return (self.steps[i], self._values[self.steps[i]]) if i >= 0 else None
 
 
 # ---------------------------------------------------------------------------------------------- calibration

@@ -3,6 +3,7 @@ checkpoint -> summary. The CLI, the launchers and the notebook API all call :fun
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import secrets
@@ -17,7 +18,7 @@ from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from workbench import callbacks as callbacks_, checkpoint, config, data, distributed, hf, privacy
+from workbench import callbacks as callbacks_, checkpoint, config, data, data_checks, distributed, hf, privacy
 from workbench.audit import AuditResult
 from workbench.canaries import CanaryAudit
 from workbench.errors import WorkbenchError
@@ -47,6 +48,22 @@ class TrainResult:
     audit: AuditResult | None = None  # audit=canaries: the lower bound on epsilon and how it was found
 
 
+def closing_line(metrics: dict[str, float], epsilon: float | None, delta: float | None, steps: int,
+                 run_id: str | None, uri: str | None, job_id: str | None = None, audit: AuditResult | None = None) -> str:
+    """The one line every launcher (inline, local, SLURM) ends a job with."""
+    parts = [f"{k}={v:.4f}" for k, v in metrics.items()]
+    if epsilon is not None:
+        parts.append(f"epsilon={epsilon:.3f} at delta={delta:.1e}")
+    if audit is not None:
+        parts.append(f"audit: epsilon>={audit.epsilon_lower_bound:.3f} (ideal {audit.ideal_lower_bound:.3f})")
+    parts.append(f"steps={steps}")
+    if job_id is not None:
+        parts.append(f"job_id={job_id}")
+    if run_id:
+        parts.append(f"run_id={run_id} | {ui_command(uri)}")
+    return "done: " + " ".join(parts)
+
+
 def _instantiate(node: Any, what: str, **kwargs) -> Any:
     try:
         return instantiate(node, **kwargs)
@@ -65,9 +82,12 @@ def _compute_metrics(name: str | None) -> Callable | None:
 
 
 def _quiet_unless(should_log: bool) -> None:
+    """Ranks that do not log (all but rank 0, or each node's local rank 0 with log_on_each_node) stay quiet: a
+    warning every rank hits alike is printed once per job (once per node), not once per rank."""
     if not should_log:
         logging.getLogger().setLevel(logging.WARNING)
         logging.getLogger("workbench").setLevel(logging.WARNING)
+        warnings.simplefilter("ignore")
 
 
 def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: list | None = None) -> TrainResult:
@@ -87,17 +107,36 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: l
                 "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags}
         if job["fixed_modules"]:
             tags["fixed_modules"] = "; ".join(job["fixed_modules"])
-        tracker.start(tags, run_id=job["resume_run_id"] or cfg.tracking.run_id, sweep_dir=cfg.tracking.sweep_dir)
+        tracker.start({**tags, "status": "running"}, run_id=job["resume_run_id"] or cfg.tracking.run_id,
+                      sweep_dir=cfg.tracking.sweep_dir)
+        if job["accountant"] is not None:  # what a sweep composes, known even if the run fails before its summary
+            a = job["accountant"]
+            tracker.set_tags({"workbench.dp_event": json.dumps(dict(
+                sample_rate=a.sample_rate, noise_multiplier=a.noise_multiplier, world_size=a.world_size, shard=a.shard,
+                planned_steps=job["total_steps"], delta=job["delta"]))})
         run_id = d.broadcast_object(tracker.run_id)
         result = _fit(cfg, d, job, tracker, run_id, output_dir)
         d.barrier()  # ranks leave together: one tearing its gloo connections down under a busy peer can abort
         return result
     except BaseException as e:
         if tracker is not None:
+            tracker.set_tags({"error": (" ".join(f"{type(e).__name__}: {e}".split()))[:500]})
             tracker.finish("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
     finally:
         distributed.teardown(d)
+        if tracker is not None and tracker.run_id and cfg.tracking.sweep_dir:
+            _sweep_point_ended(cfg.tracking.sweep_dir)
+
+
+def _sweep_point_ended(sweep_dir: str) -> None:
+    """The last point of a sweep whose driver has left summarises it (workbench/sweep.py); never fails the run."""
+    from workbench import sweep
+
+    try:
+        sweep.point_ended(sweep_dir)
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not summarise the sweep in %s: %s", sweep_dir, e)
 
 
 def _autocast_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype | None:
@@ -110,7 +149,7 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
     """Everything that can be refused is built here, before an MLflow run exists."""
     torch.manual_seed(cfg.seed)
     autocast_dtype = _autocast_dtype(cfg, d.device)
-    train_set = _instantiate(config.own_arguments(cfg, "data.train"), "data.train")
+    train_set = user_train_set = _instantiate(config.own_arguments(cfg, "data.train"), "data.train")
     canaries = None
     if cfg.audit.enabled:  # the canary slots join the population: N and q count them whatever their membership
         if cfg.resume_from_checkpoint:
@@ -131,6 +170,9 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
                       f"{d.world_size} ranks get equal shards ({shard.population} used)", stacklevel=1)
     expected_batch = cfg.per_device_train_batch_size * d.world_size
     total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * shard.population / expected_batch)
+    if total_steps > config.STEPS_MAX:
+        raise WorkbenchError(f"num_train_epochs={cfg.num_train_epochs} makes {total_steps} steps, more than "
+                             f"{config.STEPS_MAX}; lower it or set max_steps")
 
     model = _instantiate(config.own_arguments(cfg, "model"), "model")
     if not isinstance(model, nn.Module):
@@ -146,6 +188,12 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
         for t in model.state_dict().values():
             torch.distributed.broadcast(t, 0)
     criterion = _instantiate(cfg.criterion, "criterion", reduction="none")
+    make_optimizer = _instantiate(cfg.optimizer, "optimizer")  # refused here, before the seconds of noise calibration
+    metrics_fn = compute_metrics or _compute_metrics(cfg.compute_metrics)
+    for split, dataset in (("train", user_train_set), ("eval", eval_set)):  # the user's data, before any canaries
+        if dataset is not None:
+            data_checks.check_fit(dataset, f"data.{split} ({cfg.data[split].get('_target_', 'no _target_')})", model,
+                                  criterion, d.device, collator)
 
     p = cfg.privacy
     accountant = delta = None
@@ -176,10 +224,8 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
                            max_physical_batch_size=cfg.max_physical_batch_size, autocast_dtype=autocast_dtype)
     # The same examples on every rank: a refusal is raised everywhere alike, before any run exists.
     step_fn.check(data.first_examples(train_set, 8, collator))
-    optimizer = _instantiate(cfg.optimizer, "optimizer")(step_fn.params, lr=cfg.learning_rate,
-                                                         weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(step_fn.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_scheduler_type, cfg.warmup_steps, total_steps))
-    metrics_fn = compute_metrics or _compute_metrics(cfg.compute_metrics)
 
     digest = config.privacy_digest(cfg, d.world_size)
     start_step, resume_run_id = 0, None
@@ -284,15 +330,7 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
     tracker.finish("FINISHED")
     uri = tracker.uri if run_id else None
     if d.is_main:
-        parts = [f"{k}={v:.4f}" for k, v in metrics.items()]
-        if epsilon is not None:
-            parts.append(f"epsilon={epsilon:.3f} at delta={delta:.1e}")
-        if found is not None:
-            parts.append(f"audit: epsilon>={found.epsilon_lower_bound:.3f} (ideal {found.ideal_lower_bound:.3f})")
-        parts.append(f"steps={steps}")
-        if run_id:
-            parts.append(f"run_id={run_id} | {ui_command(uri)}")
-        print("done: " + " ".join(parts), flush=True)
+        print(closing_line(metrics, epsilon, delta, steps, run_id, uri, audit=found), flush=True)
     return TrainResult(metrics=metrics, epsilon=epsilon, delta=delta, noise_multiplier=job["sigma"] if accountant else None,
                        sample_rate=job["shard"].sample_rate, steps=steps, run_id=run_id, tracking_uri=uri,
                        output_dir=output_dir, checkpoint=last_saved[0], model=model, history=trainer.history,

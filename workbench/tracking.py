@@ -74,6 +74,42 @@ def _retry(fn, attempts: int = 8):
             time.sleep(0.2 * 2**i)
 
 
+_READY_STORES: set[str] = set()
+
+
+def init_store(uri: str) -> None:
+    """Create and migrate a SQLite store once, under a file lock beside it, before this process logs anything: processes
+    opening a fresh store at once otherwise race in its schema migration. Once per process and store."""
+    if uri in _READY_STORES or not uri.startswith("sqlite:///"):
+        return
+    import fcntl
+
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401 - seconds of imports, paid outside the lock
+    from mlflow import MlflowClient
+
+    path = Path(uri[len("sqlite:///"):])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        _retry(lambda: MlflowClient(tracking_uri=uri).search_experiments(max_results=1))
+    _READY_STORES.add(uri)
+
+
+SWEEP_FILE = ".workbench-sweep.json"  # in a sweep's folder: its parent run, written by the multirun driver
+
+
+def sweep_parent(sweep_dir: str | Path) -> str | None:
+    """The parent run id that the sweep's driver made (see workbench.sweep); None, with a warning, if it made none."""
+    import json
+
+    try:
+        return json.loads((Path(sweep_dir) / SWEEP_FILE).read_text())["parent_run_id"]
+    except (OSError, ValueError, KeyError):
+        log.warning("no parent run for sweep folder %s (the multirun driver makes it): this run is not grouped",
+                    sweep_dir)
+        return None
+
+
 class NullTracker:
     """What every rank but 0 (and tracking.enabled=false) gets."""
 
@@ -98,6 +134,7 @@ class MlflowTracker(NullTracker):
         self.mlflow = mlflow
         self.cfg = cfg
         self.uri = tracking_uri(cfg.tracking.uri)
+        init_store(self.uri)
         self.client = mlflow.MlflowClient(tracking_uri=self.uri)
         self.run_id = None
         self.logged_until = {"loss": -1, "steps": -1, "eval_loss": -1}
@@ -119,28 +156,6 @@ class MlflowTracker(NullTracker):
 
         return _retry(get_or_create)
 
-    def _sweep_parent(self, experiment_id: str, sweep_dir: str) -> str:
-        """The parent run of a multirun sweep, keyed by its folder. Points started at once may each create one:
-        every point then adopts the oldest and the others are deleted, so a sweep always has exactly one parent."""
-        query = f"tags.`{SWEEP_TAG}` = '{sweep_dir}' and tags.`workbench.role` = 'sweep'"
-
-        def parents():
-            return _retry(lambda: self.client.search_runs([experiment_id], query, order_by=["attributes.start_time ASC"]))
-
-        found = parents()
-        if not found:
-            name = f"sweep {Path(sweep_dir).parent.name}/{Path(sweep_dir).name}"
-            mine = _retry(lambda: self.client.create_run(experiment_id, run_name=name,
-                                                         tags={SWEEP_TAG: sweep_dir, "workbench.role": "sweep"}))
-            # A parent only groups its children: it is never left RUNNING.
-            _retry(lambda: self.client.set_terminated(mine.info.run_id, status="FINISHED"))
-            found = parents()
-            winner = min(found, key=lambda r: (r.info.start_time, r.info.run_id))
-            if winner.info.run_id != mine.info.run_id:
-                _retry(lambda: self.client.delete_run(mine.info.run_id))
-            return winner.info.run_id
-        return min(found, key=lambda r: (r.info.start_time, r.info.run_id)).info.run_id
-
     def start(self, tags: Mapping[str, Any], run_id: str | None = None, sweep_dir: str | None = None,
               pending: bool = False) -> None:
         """Start a run, or continue `run_id` (created at submission, or the run of a resumed checkpoint).
@@ -151,8 +166,9 @@ class MlflowTracker(NullTracker):
         experiment_id = self._experiment_id()
         all_tags = {k: str(v) for k, v in tags.items() if v is not None}
         if run_id is None:
-            if sweep_dir:
-                all_tags[PARENT_TAG] = self._sweep_parent(experiment_id, sweep_dir)
+            parent = sweep_parent(sweep_dir) if sweep_dir else None
+            if parent is not None:
+                all_tags[PARENT_TAG] = parent
             run = _retry(lambda: self.client.create_run(experiment_id, run_name=self.cfg.tracking.run_name, tags=all_tags))
             run_id = run.info.run_id
             self.run_id = run_id
@@ -205,7 +221,8 @@ class MlflowTracker(NullTracker):
             _retry(lambda k=k, v=v: self.client.set_tag(self.run_id, k, str(v)))
 
     def finish(self, status: str = "FINISHED") -> None:
-        if self.run_id is not None:
+        if self.run_id is not None:  # the tag too: a launcher's run was tagged status=submitted at submission
+            _retry(lambda: self.client.set_tag(self.run_id, "status", status.lower()))
             _retry(lambda: self.client.set_terminated(self.run_id, status=status))
 
     def finish_if_running(self, status: str) -> None:

@@ -25,8 +25,9 @@ from torch import nn
 from workbench import clipping
 from workbench.data import Batch, as_batch, step_generator
 from workbench.distributed import Dist, pad_concat
-from workbench.errors import WorkbenchError
+from workbench.errors import TrainingStopped, WorkbenchError
 from workbench.losses import logits_of
+from workbench.privacy import EpsilonSchedule
 
 log = logging.getLogger(__name__)
 # Opacus' hooks trigger this on every backward of a model whose inputs need no grad: expected, not actionable.
@@ -133,6 +134,11 @@ class GradientStep:
         self.flat[:self.numel].div_(expected_batch)
 
 
+def logging_steps(start_step: int, total_steps: int, every: int) -> list[int]:
+    """The steps after ``start_step`` that get a log line: every ``every`` steps, and the last."""
+    return [s for s in range(start_step + 1, total_steps + 1) if s % every == 0 or s == total_steps]
+
+
 def lr_lambda(kind: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
     """Hugging Face's schedules: constant, constant_with_warmup, linear, cosine (warmup applies to the last three)."""
 
@@ -155,7 +161,8 @@ class History:
 
     steps: list[int] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
-    epsilon: list[float] = field(default_factory=list)
+    epsilon: list[float] = field(default_factory=list)  # empty for a non-private run
+    delta: float | None = None
 
 
 class StepLogger:
@@ -163,32 +170,28 @@ class StepLogger:
     accountant's epsilon (a PLD composition, ~0.1 s) stall a step.
 
     Lines are sent in one batch at most every ``SEND_INTERVAL`` seconds (and at every flush: checkpoints, the end).
-    Epsilon is computed for the newest line of a batch, at most ``EPSILON_DUTY`` of the time (it would otherwise take
-    a core from the training processes); other lines go without it. The final step always gets its epsilon.
+    Every line of a private run carries the epsilon of its own step, from the run's :class:`EpsilonSchedule`.
     """
 
     SEND_INTERVAL = 1.0
-    EPSILON_DUTY = 0.2
 
-    def __init__(self, tracker, accountant, delta: float | None):
+    def __init__(self, tracker, schedule: EpsilonSchedule | None, delta: float | None = None):
         import queue
         import threading
 
-        self.tracker, self.accountant, self.delta = tracker, accountant, delta
-        self.history = History()
-        self.latest_epsilon: float | None = None
+        self.tracker, self.schedule = tracker, schedule
+        self.history = History(delta=delta if schedule is not None else None)
         self._queue: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._error: BaseException | None = None
-        self._next_epsilon = 0.0  # monotonic time before which no new epsilon is computed
         self._next_send = 0.0
         self._thread = threading.Thread(target=self._work, name="workbench-step-logger", daemon=True)
         self._thread.start()
 
-    def log(self, step: int, metrics: dict[str, float], final: bool = False) -> None:
+    def log(self, step: int, metrics: dict[str, float]) -> None:
         if self._error is not None:
             raise RuntimeError("step logging failed") from self._error
-        self._queue.put((step, metrics, final))
+        self._queue.put((step, metrics))
 
     def _work(self) -> None:
         while True:
@@ -212,17 +215,13 @@ class StepLogger:
 
     def _send(self, lines: list) -> None:
         batch = []
-        for i, (step, metrics, final) in enumerate(lines):
-            eps = None
-            due = i == len(lines) - 1 and time.monotonic() >= self._next_epsilon
-            if self.accountant is not None and (due or final):
-                start = time.monotonic()
-                eps = self.latest_epsilon = self.accountant.epsilon(step, self.delta)
-                self._next_epsilon = start + (time.monotonic() - start) / self.EPSILON_DUTY
-            batch.append(({**metrics, **({"epsilon": eps} if eps is not None else {})}, step))
+        for step, metrics in lines:
+            if self.schedule is not None:
+                metrics = {**metrics, "epsilon": self.schedule.get(step)}
+                self.history.epsilon.append(metrics["epsilon"])
+            batch.append((metrics, step))
             self.history.steps.append(step)
             self.history.loss.append(metrics["loss"])
-            self.history.epsilon.append(float("nan") if eps is None else eps)
         if batch:
             self.tracker.log_many(batch)
 
@@ -259,6 +258,18 @@ class Trainer:
         self.expected_batch, self.total_steps, self.start_step, self.save_fn = expected_batch, total_steps, start_step, save_fn
         self.history = History()
 
+    def _stop_if_not_finite(self, step: int) -> None:
+        """Stop on NaN/inf in what the step released: the noised update and the new parameters. Reading them is
+        post-processing (no privacy cost); the training loss, a function of the raw batch, is never consulted.
+        Every rank holds the same update and parameters, so every rank stops at the same step."""
+        update = self.step_fn.flat[:self.step_fn.numel]
+        finite = [torch.isfinite(update).all(), *(torch.isfinite(p).all() for p in self.step_fn.params)]
+        if bool(torch.stack(finite).all()):
+            return
+        what = "the noised update" if not bool(finite[0]) else "the parameters"
+        raise TrainingStopped(f"training stopped at step {step}: {what} became non-finite (NaN/inf); try a lower "
+                              "learning_rate, and check the data for NaN/inf; checkpoints of earlier steps are kept")
+
     def fit(self) -> int:
         """Train from start_step to total_steps; returns the number of steps taken in all."""
         from tqdm import tqdm
@@ -266,7 +277,10 @@ class Trainer:
         cfg, step = self.cfg, self.start_step
         bar = tqdm(total=self.total_steps, initial=step, desc="train", dynamic_ncols=True,
                    disable=cfg.disable_tqdm or not self.dist.should_log)
-        logger = StepLogger(self.tracker, self.accountant if self.dist.is_main else None, self.delta)
+        schedule = None
+        if self.accountant is not None and (self.dist.is_main or not bar.disable):
+            schedule = EpsilonSchedule(self.accountant, self.delta, logging_steps(step, self.total_steps, cfg.logging_steps))
+        logger = StepLogger(self.tracker, schedule if self.dist.is_main else None, self.delta)
         window_loss, window_count, window_start = 0.0, 0.0, time.perf_counter()
         self.model.train()
         self.callbacks.on_train_begin(step)
@@ -281,17 +295,18 @@ class Trainer:
                 if self.accountant is not None:
                     self.accountant.step()
                 step += 1
+                self._stop_if_not_finite(step)
                 window_loss, window_count = window_loss + loss_sum, window_count + count
                 bar.update(1)
-                if step % cfg.logging_steps == 0 or step == self.total_steps:
+                if step % cfg.logging_steps == 0 or step == self.total_steps:  # as logging_steps() lists them
                     elapsed = time.perf_counter() - window_start
                     loss = window_loss / max(window_count, 1.0)
                     logger.log(step, {"loss": loss, "learning_rate": self.scheduler.get_last_lr()[0],
                                       "samples_per_second": window_count / max(elapsed, 1e-9),
-                                      "epoch": step * self.expected_batch / self.population},
-                               final=step == self.total_steps)
-                    eps = logger.latest_epsilon
-                    bar.set_postfix(loss=f"{loss:.4f}", **({"eps": f"{eps:.3f}"} if eps is not None else {}))
+                                      "epoch": step * self.expected_batch / self.population})
+                    known = schedule.latest(step) if schedule is not None else None  # never waits
+                    bar.set_postfix(loss=f"{loss:.4f}", **({"eps": f"{known[1]:.3f}" + ("" if known[0] == step else
+                                                                                        f"@{known[0]}")} if known else {}))
                     window_loss, window_count, window_start = 0.0, 0.0, time.perf_counter()
                 if cfg.eval_steps and step % cfg.eval_steps == 0 and step < self.total_steps:
                     self.tracker.log_metrics(self.evaluator(), step)

@@ -1,0 +1,174 @@
+"""Mutants that must die: deliberate bugs in the privacy path, each of which some named test must catch.
+
+    make mutants                       # or: python -m tests.mutants [NAME ...] [--list] [--keep]
+
+Each mutant is one exact text substitution in one file of a scratch copy of this working tree (tracked and untracked,
+not ignored files; the tree itself is never touched). The script first runs every killing test on the unmutated
+copy (they must pass there), then, per mutant, applies it and runs only its killing tests: the mutant is *killed*
+when they fail. It prints a table and exits 1 if any mutant survives, cannot be applied, or errs.
+
+When the code moves, a substitution whose ``old`` text is no longer in the file (or is there more than once) fails
+loudly, naming the mutant: update ``old``/``new`` below to the bug's new home (``tests/test_mutants.py`` checks every
+target still applies, so CI notices at once). Killers are pytest node ids; keep them to the few tests that should
+catch the bug, so the run stays short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    bug: str  # the broken promise, in words
+    path: str  # relative to the repository root
+    old: str  # exact text, present exactly once
+    new: str
+    killers: tuple[str, ...]  # pytest node ids that must fail on the mutant
+
+
+NOISE_GATE = "if self.private and self.sigma > 0 and self.dist.rank == 0:"
+
+MUTANTS = (
+    Mutant("divide-by-realised-batch", "the update is divided by the realised batch, not the expected B",
+           "workbench/trainer.py", "self.step_fn.divide_(self.expected_batch)", "self.step_fn.divide_(max(count, 1.0))",
+           ("tests/test_trainer.py::test_update_is_the_clipped_sum_over_the_expected_batch_not_the_realised_one",)),
+    Mutant("noise-on-every-rank", "every rank adds sigma*C noise: W times the noise in the sum (and W-fold accounting lie)",
+           "workbench/trainer.py", NOISE_GATE, "if self.private and self.sigma > 0:",
+           ("tests/test_distributed.py::test_noise_is_added_exactly_once_cluster_wide[2]",)),
+    Mutant("no-noise-on-empty-batch", "a step whose Poisson batch is empty releases no noise",
+           "workbench/trainer.py", NOISE_GATE, NOISE_GATE.replace(":", " and batch is not None:"),
+           ("tests/test_trainer.py::test_noise_std_is_sigma_times_clip_and_reproducible",)),
+    Mutant("sampler-takes-first-k", "the batch is the first k examples (k ~ Binomial(n, q), so sizes look right)",
+           "workbench/data.py", "mask = torch.rand(len(self.shard.indices), generator=g) < self.shard.sample_rate",
+           "mask = torch.arange(len(self.shard.indices)) < "
+           "(torch.rand(len(self.shard.indices), generator=g) < self.shard.sample_rate).sum()",
+           ("tests/test_data.py::test_each_example_is_included_binomial_t_q_times",
+            "tests/test_data.py::test_pairs_of_examples_are_included_together_q_squared_of_the_time")),
+    Mutant("accountant-q-of-other-shard-mode", "the accountant gets the other shard mode's q (per_rank: B / (W N))",
+           "workbench/run.py",
+           "accountant = privacy.Accountant(p.accountant, shard.sample_rate, sigma, d.world_size, cfg.ddp_shard)",
+           "accountant = privacy.Accountant(p.accountant, data.train_shard(n, d.rank, d.world_size, 'global' if "
+           "cfg.ddp_shard == 'per_rank' else 'per_rank', cfg.per_device_train_batch_size).sample_rate, sigma, "
+           "d.world_size, cfg.ddp_shard)",
+           ("tests/test_distributed.py::test_parameters_stay_identical_and_only_rank_zero_tracks",)),
+    Mutant("clip-per-layer", "each parameter's per-example gradient is clipped to C on its own, not the whole flat one",
+           "workbench/clipping/opacus_modes.py", "view.view(-1).addmv_(gs.t(), factor)",
+           "view.view(-1).addmv_(gs.t(), (self.clip / (torch.linalg.vector_norm(gs, dim=1) + 1e-6)).clamp(max=1.0))",
+           ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear-hooks]",)),
+    Mutant("bk-norm-without-bias", "book-keeping leaves the bias out of each example's norm: under-clipped examples",
+           "workbench/clipping/book_keeping.py", "                    norms2.add_(gg)\n", "                    pass\n",
+           ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear-bk]",)),
+    Mutant("pinned-seed-logged", "a pinned secure_seed reaches MLflow's params unredacted",
+           "workbench/tracking.py", 'container["privacy"]["secure_seed"] = "<redacted>"', "pass",
+           ("tests/test_resume.py::test_streams_are_secret_unless_pinned",)),
+    Mutant("secret-in-published-checkpoint", "the checkpoint published to MLflow carries the stream secret",
+           "workbench/run.py", 'torch.save({k: v for k, v in state(steps).items() if k != "secret"}, published)',
+           "torch.save(state(steps), published)",
+           ("tests/test_resume.py::test_streams_are_secret_unless_pinned",)),
+    Mutant("budget-stop-ignored", "a run with fixed sigma takes all planned steps past target_epsilon",
+           "workbench/run.py", "                total_steps = budget\n", "                pass\n",
+           ("tests/test_privacy.py::test_a_run_with_fixed_noise_stops_at_the_budget",)),
+    Mutant("resume-draws-a-fresh-secret", "a resumed unpinned run ignores its checkpoint's secret",
+           "workbench/run.py", 'secret = state["secret"]', "secret = secret",
+           ("tests/test_resume.py::test_an_unpinned_run_resumes_with_the_secret_of_its_checkpoint",)),
+)
+
+
+def apply(mutant: Mutant, root: Path) -> None:
+    """Apply ``mutant`` to the tree at ``root``; raise if its target text is missing or ambiguous."""
+    path = root / mutant.path
+    text = path.read_text()
+    found = text.count(mutant.old)
+    if found != 1:
+        raise LookupError(f"mutant {mutant.name}: {mutant.path} has the target text {found} times, not once: "
+                          f"update tests/mutants.py to where the code moved ({mutant.old!r})")
+    path.write_text(text.replace(mutant.old, mutant.new))
+
+
+def scratch_copy(dest: Path) -> None:
+    """This working tree's tracked and untracked, not ignored, files (uncommitted edits included)."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           check=True, capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        src = REPO / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+
+
+def pytest(root: Path, node_ids: list[str]) -> tuple[int, str, float]:
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=",
+                           *node_ids], cwd=root, env=env, capture_output=True, text=True)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    if args.list or not chosen:
+        for m in MUTANTS:
+            print(f"{m.name:34} {m.path:22} {m.bug}")
+        return 0 if args.list else 2
+
+    root = Path(tempfile.mkdtemp(prefix="workbench-mutants-"))
+    try:
+        scratch_copy(root)
+        killers = sorted({k for m in chosen for k in m.killers})
+        print(f"baseline: {len(killers)} killing tests on the unmutated copy ({root})", flush=True)
+        rc, output, seconds = pytest(root, killers)
+        if rc != 0:
+            print(output[-4000:])
+            print(f"error: the killing tests must pass on the unmutated code (pytest exit {rc}); fix them first")
+            return 1
+        print(f"baseline passed in {seconds:.0f} s", flush=True)
+        rows = []
+        for m in chosen:
+            original = (root / m.path).read_text()
+            try:
+                apply(m, root)
+            except LookupError as e:
+                rows.append((m, "NOT APPLIED", 0.0, str(e)))
+                continue
+            try:
+                rc, output, seconds = pytest(root, list(m.killers))
+            finally:
+                (root / m.path).write_text(original)
+            # pytest exit 1 = tests failed: killed. 0 = survived. Anything else (collection, usage) is an error.
+            status = {0: "SURVIVED", 1: "killed"}.get(rc, f"ERROR (pytest exit {rc})")
+            failed = [line.split()[1] for line in output.splitlines() if line.startswith("FAILED ")]
+            rows.append((m, status, seconds, failed[0] if failed else output[-1500:] if rc > 1 else ""))
+            print(f"  {m.name}: {status} ({seconds:.0f} s)", flush=True)
+    finally:
+        if args.keep:
+            print(f"scratch copy kept at {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+    print(f"\n{'mutant':34} {'result':12} {'s':>4}  killed by / why")
+    for m, status, seconds, detail in rows:
+        print(f"{m.name:34} {status:12} {seconds:4.0f}  {detail if detail else ', '.join(m.killers)}")
+    bad = [m.name for m, status, _, _ in rows if status != "killed"]
+    print(f"\n{len(rows) - len(bad)} of {len(rows)} mutants killed" + (f"; not killed: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Per-layer clipping, Opacus style: for every layer type and every grad_sample_mode that accepts it, the clipped sum
+of one step equals the definition - a per-example autograd loop, flat L2 clipping over all trainable parameters.
+
+Modes are asked, not assumed: a mode that refuses a model (a one-line WorkbenchError, before training) is skipped for
+it, saying so; a mode that accepts it must be exact. ``hooks`` (Opacus) and ``auto`` must accept every case here.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from workbench.config import GRAD_SAMPLE_MODES
+from workbench.distributed import setup
+from workbench.errors import WorkbenchError
+from workbench.trainer import GradientStep
+
+CLASSES, BATCH, PHYSICAL, CLIP = 3, 7, 4, 0.05  # 7 examples in micro-batches of 4 and 3; the clip binds for most
+
+
+class Probe(nn.Module):
+    """``body`` (the layer under test, once or twice), flattened, then a Linear head."""
+
+    def __init__(self, body: nn.Module, features: int, reuse: bool = False):
+        super().__init__()
+        self.body, self.reuse = body, reuse
+        self.head = nn.Linear(features, CLASSES)
+
+    def forward(self, x):
+        h = self.body(x)
+        if self.reuse:  # the same weights a second time: per-example gradients must sum both uses
+            h = self.body(torch.tanh(h))
+        return self.head(torch.tanh(h).flatten(1))
+
+
+class TwoEmbeddings(nn.Module):
+    """One Embedding looked up for two token streams (a reused table, as tied input/output embeddings reuse it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 4)
+
+    def forward(self, x):
+        return self.emb(x[:, :3]) + self.emb(x[:, 3:])
+
+
+def _tokens(n, length):
+    # few tokens, so that examples share rows of the table (the collisions per-sample norms must get right)
+    return torch.randint(0, 11, (n, length), generator=torch.Generator().manual_seed(4))
+
+
+def _floats(*shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(4)) * 2
+
+
+# name -> (model factory, input); each factory seeds itself, so every mode and the reference start alike
+CASES = {
+    "linear": (lambda: Probe(nn.Linear(5, 6), 6), _floats(BATCH, 5)),
+    "linear_sequence": (lambda: Probe(nn.Linear(5, 6), 4 * 6), _floats(BATCH, 4, 5)),
+    "linear_reused": (lambda: Probe(nn.Linear(5, 5), 4 * 5, reuse=True), _floats(BATCH, 4, 5)),
+    "conv1d": (lambda: Probe(nn.Conv1d(2, 3, 3, padding=1), 3 * 6), _floats(BATCH, 2, 6)),
+    "conv1d_reused": (lambda: Probe(nn.Conv1d(3, 3, 3, padding=1), 3 * 6, reuse=True), _floats(BATCH, 3, 6)),
+    "conv2d": (lambda: Probe(nn.Conv2d(2, 4, 3, padding=1, stride=2), 4 * 3 * 3), _floats(BATCH, 2, 5, 5)),
+    "conv2d_reused": (lambda: Probe(nn.Conv2d(2, 2, 3, padding=1), 2 * 4 * 4, reuse=True), _floats(BATCH, 2, 4, 4)),
+    "embedding": (lambda: Probe(nn.Embedding(11, 4), 5 * 4), _tokens(BATCH, 5)),
+    "embedding_reused": (lambda: Probe(TwoEmbeddings(), 3 * 4), _tokens(BATCH, 6)),
+    "layernorm_sequence": (lambda: Probe(nn.LayerNorm(5), 4 * 5), _floats(BATCH, 4, 5)),
+    "layernorm_reused": (lambda: Probe(nn.LayerNorm(5), 4 * 5, reuse=True), _floats(BATCH, 4, 5)),
+    "groupnorm": (lambda: Probe(nn.GroupNorm(2, 4), 4 * 3 * 3), _floats(BATCH, 4, 3, 3)),
+    "groupnorm_reused": (lambda: Probe(nn.GroupNorm(2, 4), 4 * 3 * 3, reuse=True), _floats(BATCH, 4, 3, 3)),
+}
+MUST_ACCEPT = ("hooks", "auto")
+# Opacus' ghost clipping raises NotImplementedError for a reused Linear/Embedding at the first training step (after the
+# MLflow run started), not in GradientStep.check: loud, so no privacy is lost, but not the one-line refusal before work.
+GHOST_TYING = pytest.mark.xfail(strict=True, raises=NotImplementedError,
+                                reason="ghost refuses parameter tying only at the first step (Opacus)")
+
+
+def _build(case):
+    torch.manual_seed(0)
+    factory, x = CASES[case]
+    model = factory()
+    if isinstance(model.body, (nn.LayerNorm, nn.GroupNorm)):  # affine parameters start at 1 and 0: move them
+        with torch.no_grad():
+            for p in model.body.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+    y = torch.randint(0, CLASSES, (len(x),), generator=torch.Generator().manual_seed(5))
+    return model, x, y
+
+
+def _per_example_clipped_sum(model, x, y, clip):
+    """The definition: each example's own gradient (autograd on its loss alone), flat-clipped to `clip`, summed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total, clipped = [torch.zeros_like(p) for p in params], 0
+    for i in range(len(y)):
+        grads = torch.autograd.grad(nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params)
+        norm = float(torch.sqrt(sum(g.pow(2).sum() for g in grads)))
+        clipped += norm > clip
+        for t, g in zip(total, grads):
+            t += min(1.0, clip / (norm + 1e-6)) * g
+    return total, clipped
+
+
+def _params():
+    for case in CASES:
+        for mode in GRAD_SAMPLE_MODES:
+            tied = mode == "ghost" and case in ("linear_reused", "embedding_reused")
+            yield pytest.param(case, mode, marks=GHOST_TYING if tied else (), id=f"{case}-{mode}")
+
+
+@pytest.mark.parametrize("case, mode", _params())
+def test_clipped_sum_equals_the_per_example_loop(case, mode):
+    model, x, y = _build(case)
+    expected, clipped = _per_example_clipped_sum(model, x, y, CLIP)
+    assert 0 < clipped  # the clip binds: a mode that skipped clipping would not match
+
+    model, x, y = _build(case)
+    try:
+        step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=CLIP,
+                            noise_multiplier=0.0, grad_sample_mode=mode, max_physical_batch_size=PHYSICAL)
+        step.check((x, y))
+    except WorkbenchError as refusal:
+        if mode in MUST_ACCEPT:
+            raise
+        pytest.skip(f"grad_sample_mode={mode} refuses {case}: {refusal}")
+    _, count = step((x, y), step=0)
+    assert count == len(y)
+    for p, e in zip(step.params, expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-6)
+
+
+def test_the_small_cnn_trains_privately(make_cfg, mlflow_uri):
+    """model=cnn on digits end to end (Conv2d + GroupNorm + Linear, through the mode auto picks): it learns (0.89-0.92
+    measured over three secrets; chance is 0.1, one step gives 0.14), and its epsilon is dp_accounting's for the
+    logged (q, sigma, steps)."""
+    import dp_accounting
+    from mlflow import MlflowClient
+
+    from workbench import train
+    from workbench.privacy import DEFAULT_PLD_DISCRETIZATION
+
+    steps = 20
+    result = train(make_cfg("model=cnn", f"max_steps={steps}", "per_device_train_batch_size=128",
+                            "privacy.secure_seed=0"))  # pinned: the same batches and noise every time
+    assert result.steps == steps and result.metrics["eval_accuracy"] > 0.8
+    m = MlflowClient(tracking_uri=mlflow_uri).get_run(result.run_id).data.metrics
+    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=DEFAULT_PLD_DISCRETIZATION)
+    acc.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(m["sample_rate"], dp_accounting.GaussianDpEvent(m["noise_multiplier"])), steps))
+    assert m["epsilon"] == pytest.approx(acc.get_epsilon(m["delta"]), rel=1e-6) and m["epsilon"] <= 8.0

@@ -1,0 +1,95 @@
+"""The pre-run data check: does each dataset fit the model and the criterion? Run before any MLflow run exists.
+
+A data error found mid-training (or at the closing eval) would surface as a raw RuntimeError deep in torch, with a
+run left FAILED. Here it is one line that names the dataset, the example and the fix. What is checked:
+
+- non-finite values: every example of an in-memory tensor dataset, else the first batch;
+- the model takes the first batch (input width, dtype), the criterion takes its output and the labels;
+- class labels (a classification criterion, model output ``(batch, classes)``, labels ``(batch,)``) are integers in ``[0, classes)`` (or the
+  criterion's ``ignore_index``): every label of an in-memory dataset, else the first batch.
+
+It reads the data the user is about to train on, before training: it releases nothing but the refusal itself.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from workbench.data import first_examples
+from workbench.errors import WorkbenchError
+
+FIRST = 8  # examples run through the model and the criterion
+CLASS_CRITERIA = (nn.CrossEntropyLoss, nn.NLLLoss, nn.MultiMarginLoss)  # take (batch, classes) scores, (batch,) labels
+
+
+def check_fit(dataset: Any, name: str, model: nn.Module, criterion: Callable, device: torch.device,
+              collator: Callable | None = None) -> None:
+    """Raise WorkbenchError naming ``name`` (e.g. "data.train (my_pkg.MyData)"), the example index and the fix."""
+    batch = first_examples(dataset, FIRST, collator)
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(torch.is_tensor(t) for t in batch)):
+        return  # another batch shape (a mapping, several inputs): checked by the trainer's own pre-run check
+    x, y = batch
+    tensors = getattr(dataset, "tensors", None)  # TensorDataset: everything is in memory, so scan it all
+    scanned = tensors if isinstance(tensors, (tuple, list)) and len(tensors) == 2 else (x, y)
+    for what, t in zip(("input", "label"), scanned):
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            i = int((~torch.isfinite(t.reshape(len(t), -1))).any(dim=1).nonzero()[0])
+            raise WorkbenchError(f"{name}: example {i} has a non-finite {what} value "
+                                 f"({t[i][~torch.isfinite(t[i])].flatten()[0].item()}); repair or drop it")
+    x, y = x.to(device), y.to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. MSELoss's broadcasting warning: the refusal says it in one line
+            out = _first_failure(lambda i, j: model(x[i:j]), len(x), name, "does not fit the model",
+                                 f"make the model take inputs of shape {tuple(x.shape[1:])} per example "
+                                 f"(a width of {x.shape[-1]}: e.g. model.in_features={x.shape[-1]})" if x.dim() == 2
+                                 else f"make the model take inputs of shape {tuple(x.shape[1:])} per example")
+            if isinstance(criterion, CLASS_CRITERIA) and torch.is_tensor(out) and out.dim() == 2 and y.dim() == 1:
+                _check_class_labels(scanned[1], out.shape[1], name, getattr(criterion, "ignore_index", None))
+            shapes = (f"labels {str(y.dtype).replace('torch.', '')} of shape {tuple(y.shape[1:])} per example, model "
+                      f"output of shape {tuple(out.shape[1:])}" if torch.is_tensor(out) else "")
+            _first_failure(lambda i, j: criterion(out[i:j], y[i:j]), len(x), name,
+                           f"does not fit the criterion {type(criterion).__name__} ({shapes})",
+                           "use a criterion that takes these labels and outputs (class labels: "
+                           "torch.nn.CrossEntropyLoss) or labels that fit the criterion")
+    finally:
+        model.train(was_training)
+
+
+def _first_failure(run: Callable[[int, int], Any], n: int, name: str, what: str, fix: str) -> Any:
+    """run(0, n); if it raises, find the first example that fails alone and raise one line about it."""
+    try:
+        return run(0, n)
+    except Exception as e:  # noqa: BLE001 - any error of the user's model or criterion is refused in one line
+        first = next((i for i in range(n) if _fails(run, i)), 0)
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        raise WorkbenchError(f"{name}: example {first} {what}: {reason}; {fix}") from None
+
+
+def _fails(run: Callable[[int, int], Any], i: int) -> bool:
+    try:
+        run(i, i + 1)
+        return False
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _check_class_labels(labels: torch.Tensor, classes: int, name: str, ignore_index: int | None) -> None:
+    if labels.is_floating_point():
+        raise WorkbenchError(f"{name}: labels are {str(labels.dtype).replace('torch.', '')} (example 0: "
+                             f"{labels[0].item():g}) but the model gives {classes} class scores per example; class "
+                             "labels must be integers (convert them with .long()), or use a regression model and criterion")
+    bad = (labels < 0) | (labels >= classes)
+    if ignore_index is not None:
+        bad &= labels != ignore_index
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise WorkbenchError(f"{name}: example {i} has label {labels[i].item()}, outside the model's {classes} classes "
+                             f"(0..{classes - 1}); fix the label or give the model more classes "
+                             f"(e.g. model.num_classes={int(labels.max()) + 1})")
