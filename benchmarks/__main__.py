@@ -14,7 +14,8 @@ import time
 import warnings
 from pathlib import Path
 
-FIGURES = ("dp_vs_nonprivate", "vs_opacus", "distributed_scaling", "accounting", "tracking_overhead", "startup")
+FIGURES = ("dp_vs_nonprivate", "vs_opacus", "distributed_scaling", "accounting", "tracking_overhead", "startup",
+           "end_to_end")
 
 
 def _summary(name: str, fig: dict) -> dict[str, float]:
@@ -42,6 +43,9 @@ def _summary(name: str, fig: dict) -> dict[str, float]:
                                     "log_metrics_ms_per_call", "epsilon_ms_per_call")}
     if name == "startup":
         return {f"{k}/first_step_s": v["first_step"] for k, v in fig["variants"].items()}
+    if name == "end_to_end":
+        return {**{f"{k}/median_seconds": v for k, v in fig["median_seconds"].items()},
+                "workbench_vs_raw_opacus": fig["workbench_vs_raw_opacus"]}
     raise KeyError(name)
 
 
@@ -75,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    from benchmarks import accounting, report, scaling, startup, throughput, tracking
+    from benchmarks import accounting, end_to_end, report, scaling, startup, throughput, tracking
     from benchmarks.common import Settings, dump_json, machine_info, set_threads
 
     set_threads()
@@ -113,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
             fig = accounting.accounting(settings)
         elif name == "tracking_overhead":
             fig = tracking.tracking_overhead(settings)
-        else:
+        elif name == "startup":
             fig = startup.startup(settings)
+        else:
+            fig = end_to_end.end_to_end(settings)
         seconds = time.perf_counter() - t
         fig.setdefault("info", [])
         results[name] = {

@@ -5,9 +5,6 @@
 Each candidate is a drop-in subclass or patch applied at run time in this process only; the printed table compares it
 with the current code in the same run (interleaved, medians), so the lead can decide whether to port it.
 
-- ``norm_clip``: ``GradientStep._accumulate`` for per-sample-gradient modes (hooks, functorch, ew) computes each
-  parameter's per-sample norms with ``torch.linalg.vector_norm(gs.reshape(B, -1), dim=1)`` (no squared full-size
-  temporary, as Opacus' DPOptimizer does) and adds the clipped sum in place with ``addmv_`` (no einsum temporary).
 - ``eps_bounds_cache``: ``dp_accounting.pld.common.compute_self_convolve_bounds`` computes the 40 Chernoff-bound
   log-MGFs of the one-step PMF in one vectorised ``logsumexp`` and caches them per PMF array: they do not depend on
   the number of steps, yet dp_accounting recomputes them (40 scipy calls) on every ``self_compose``, i.e. for every
@@ -25,52 +22,8 @@ import math
 import time
 
 import numpy as np
-import torch
 
 from benchmarks.common import Settings, interleaved, median, set_threads, timed
-
-
-def norm_clip_step_class():
-    from workbench.trainer import GradientStep
-
-    class NormClipGradientStep(GradientStep):
-        def _accumulate(self, x, y):
-            if not self.private or self.mode == "ghost":
-                return super()._accumulate(x, y)
-            losses = self.criterion(self.module(x), y)
-            losses.sum().backward()
-            grad_samples = [p.grad_sample for p in self.params]
-            per_param = [torch.linalg.vector_norm(gs.reshape(len(gs), -1), dim=1) for gs in grad_samples
-                         if gs is not None]
-            norms = torch.linalg.vector_norm(torch.stack(per_param, dim=1), dim=1) if per_param \
-                else torch.zeros(len(y))
-            factor = (self.clip / (norms + 1e-6)).clamp(max=1.0)
-            for p, gs, view in zip(self.params, grad_samples, self.grad_views):
-                if gs is not None:
-                    view.view(-1).addmv_(gs.reshape(len(gs), -1).t(), factor)
-                p.grad_sample = None
-                p.grad = None
-            return losses.detach()
-
-    return NormClipGradientStep
-
-
-def candidate_step(model, mode: str, cls=None):
-    """``benchmarks.throughput.workbench_step`` with a candidate GradientStep class (default: NormClip)."""
-    from benchmarks.throughput import BATCH, CLIP, LR, SIGMA, single_process_dist
-    from torch import nn
-
-    gs = (cls or norm_clip_step_class())(model, nn.CrossEntropyLoss(reduction="none"), single_process_dist(),
-                                         max_grad_norm=CLIP, noise_multiplier=SIGMA, grad_sample_mode=mode)
-    opt = torch.optim.SGD(gs.params, lr=LR)
-
-    def step(x, y, s):
-        gs((x, y), s)
-        gs.divide_(float(BATCH))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
 
 
 _bounds_cache: dict = {}
@@ -176,30 +129,6 @@ def main(argv=None) -> int:
         _malloc_child(args.malloc_child, s)
         return 0
     set_threads()
-    from benchmarks import throughput as T
-
-    ds = T.digits()
-    x, y = ds.tensors
-    batches = T.poisson_batches(len(ds), 64)
-    print("norm_clip: samples/s, median of", s.repeats, "interleaved blocks")
-    for model_name in ("mlp", "cnn"):
-        n = s.steps if model_name == "mlp" else max(5, s.steps // 2)
-        replays = {"non_private": T.Replay(T.plain_step(T.make_model(model_name)), x, y, batches)}
-        for mode in ("hooks", "ew"):
-            replays[f"current_{mode}"] = T.Replay(T.workbench_step(T.make_model(model_name), mode), x, y, batches)
-            replays[f"norm_clip_{mode}"] = T.Replay(candidate_step(T.make_model(model_name), mode), x, y, batches)
-        replays["opacus_hooks (own loop, replayed batches)"] = _opacus_replay(model_name, x, y, batches)
-        replays["current_ghost"] = T.Replay(T.workbench_step(T.make_model(model_name), "ghost"), x, y, batches)
-        for r in replays.values():
-            r.block(s.warmup_steps)
-        rates = interleaved({k: (lambda r=r: timed(lambda: r.block(n))) for k, r in replays.items()}, s.repeats)
-        base = median(rates["non_private"])
-        for k, v in rates.items():
-            print(f"  {model_name:4s} {k:45s} {median(v):10,.0f}  {median(v) / base:.3f}x non-private")
-        for mode in ("hooks", "ew"):
-            print(f"  {model_name:4s} norm_clip_{mode} / current_{mode}: "
-                  f"{median(rates[f'norm_clip_{mode}']) / median(rates[f'current_{mode}']):.2f}x")
-
     print("eps_bounds_cache: ms per log line (epsilon at steps 10, 20, ..., 160), default config q=256/1437")
     from dp_accounting.pld import common
 
@@ -260,27 +189,6 @@ def _loop_with_bounds_cache(s: Settings) -> None:
     print("  default job's loop (Trainer.fit, tracking off), ms per step: "
           + ", ".join(f"{k} {median(v):.2f}" for k, v in per_step.items())
           + f"; current / candidate {median(per_step['current']) / median(per_step['eps_bounds_cache']):.2f}x")
-
-
-def _opacus_replay(model_name, x, y, batches):
-    """Raw Opacus hooks (GradSampleModule + DPOptimizer) on the same replayed batches (no DataLoader)."""
-    from opacus import GradSampleModule
-    from opacus.optimizers import DPOptimizer
-    from torch import nn
-
-    from benchmarks import throughput as T
-
-    model = GradSampleModule(T.make_model(model_name))
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=T.LR), noise_multiplier=T.SIGMA, max_grad_norm=T.CLIP,
-                      expected_batch_size=T.BATCH)
-    ce = nn.CrossEntropyLoss()
-
-    def step(xb, yb, _):
-        opt.zero_grad(set_to_none=True)
-        ce(model(xb), yb).backward()
-        opt.step()
-
-    return T.Replay(step, x, y, batches)
 
 
 if __name__ == "__main__":

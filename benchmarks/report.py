@@ -182,6 +182,15 @@ def render(results: dict, mode: str, command: str, machine: dict, total_s: float
                          f"{v.get('budget_max_steps_s', 0):.2f} | {tracker} | {end} |")
         lines.append("")
 
+    if "end_to_end" in results:
+        fig = results["end_to_end"]
+        lines += ["## 7. End to end (`end_to_end`)", "", fig["what"], "",
+                  "| Process | wall time per run (s) | median |", "|---|---|---|"]
+        for k, v in fig["wall_seconds"].items():
+            lines.append(f"| {k} | {', '.join(f'{x:.2f}' for x in v)} | **{fig['median_seconds'][k]:.2f}** |")
+        lines += ["", f"workbench / raw Opacus: **{fig['workbench_vs_raw_opacus']:.2f}x** ({fig['epochs']} epochs, "
+                  f"{fig['pairs']} pair(s)).", ""]
+
     notes = _notes(results)
     if notes:
         lines += ["## Notes: what limits the missed targets", ""] + [f"- {n}" for n in notes] + [""]

@@ -11,7 +11,8 @@ import pytest
 
 from tests.conftest import REPO
 
-FIGURES = ("dp_vs_nonprivate", "vs_opacus", "distributed_scaling", "accounting", "tracking_overhead", "startup")
+FIGURES = ("dp_vs_nonprivate", "vs_opacus", "distributed_scaling", "accounting", "tracking_overhead", "startup",
+           "end_to_end")
 
 
 @pytest.mark.slow

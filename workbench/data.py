@@ -11,6 +11,7 @@ import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -34,15 +35,31 @@ class Digits(ArrayDataset):
     """scikit-learn's 8x8 digits, flattened to 64 features in [0, 1]; a fixed stratified split."""
 
     def __init__(self, split: str = "train", test_size: float = 0.2, split_seed: int = 0):
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
-
         if split not in ("train", "eval"):
             raise WorkbenchError(f"Digits split must be 'train' or 'eval', got {split!r}")
-        x, y = load_digits(return_X_y=True)
-        x_tr, x_ev, y_tr, y_ev = train_test_split(x, y, test_size=test_size, random_state=split_seed, stratify=y)
-        x, y = (x_tr, y_tr) if split == "train" else (x_ev, y_ev)
-        super().__init__(torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y, dtype=torch.long))
+        # the file load_digits reads, read without importing scikit-learn (seconds); its split cached by its inputs
+        import gzip
+        import importlib.util
+
+        from workbench import cache
+
+        sklearn_dir = Path(importlib.util.find_spec("sklearn").submodule_search_locations[0])
+        with gzip.open(sklearn_dir / "datasets" / "data" / "digits.csv.gz") as f:
+            raw = np.loadtxt(f, delimiter=",")
+        x, y = raw[:, :-1], raw[:, -1].astype(int)
+        train, evaluation = cache.cached("digits_split", lambda: _stratified_split(y, test_size, split_seed),
+                                         test_size=test_size, split_seed=split_seed, labels=y.tolist(),
+                                         code=cache.code_version(packages=("scikit-learn",)))
+        rows = train if split == "train" else evaluation
+        super().__init__(torch.tensor(x[rows] / 16.0, dtype=torch.float32), torch.tensor(y[rows], dtype=torch.long))
+
+
+def _stratified_split(y, test_size: float, seed: int) -> list[list[int]]:
+    """scikit-learn's stratified train_test_split of the row indices (train, eval)."""
+    from sklearn.model_selection import train_test_split
+
+    train, evaluation = train_test_split(list(range(len(y))), test_size=test_size, random_state=seed, stratify=y)
+    return [train, evaluation]
 
 
 class Synthetic(ArrayDataset):

@@ -87,8 +87,11 @@ def prepare_model(model: nn.Module, private: bool, fix: bool = True) -> tuple[nn
         raise WorkbenchError("torch.nn.DataParallel is refused: use launcher=local (one process per device) instead")
     if not private:
         return model, []
-    from opacus.validators import ModuleValidator
+    from workbench.clipping import book_keeping
 
+    layers = book_keeping.trainable_layers(model)
+    if layers and book_keeping.refusal(layers) is None:
+        return model, []  # bk has a rule for every trainable layer; each mode's pre-run check refuses what mixes examples
     was_training = model.training
     model.train()  # the mode it trains in (Opacus refuses a model in eval mode); handed back as it came
     try:
@@ -138,3 +141,28 @@ def _batch_first_attention_fix(module: nn.Module) -> None:
 
     if isinstance(module, DPMultiheadAttention) and module.batch_first:
         module.out_proj.register_forward_pre_hook(functools.partial(_reorder_heads, module.num_heads))
+
+
+class TinyTransformer(nn.Module):
+    """One pre-LN transformer block built only from nn.Embedding, nn.Linear and nn.LayerNorm (every layer has a
+    book-keeping rule): token and position embeddings, causal self-attention, an MLP, mean-pooled classification.
+    For digits, each image is a sequence of 64 pixel tokens (intensities 0..16)."""
+
+    def __init__(self, vocab: int = 17, max_len: int = 64, d_model: int = 64, heads: int = 4, num_classes: int = 10):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(max_len, d_model)
+        self.ln1, self.ln2, self.ln_f = nn.LayerNorm(d_model), nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.up, self.down = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
+        self.head, self.heads = nn.Linear(d_model, num_classes), heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = x if not x.is_floating_point() else (x * 16).round().long()  # digits' pixels in [0, 1] -> 0..16
+        b, t = ids.shape
+        # position ids per example (batch first, contiguous): per-sample gradients need each example's own rows
+        h = self.tok(ids) + self.pos(torch.arange(t, device=ids.device).expand(b, t).contiguous())
+        q, k, v = self.qkv(self.ln1(h)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        h = h + self.proj(att)
+        h = h + self.down(torch.relu(self.up(self.ln2(h))))
+        return self.head(self.ln_f(h).mean(1))

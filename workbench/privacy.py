@@ -20,18 +20,41 @@ Only ``pld`` supports ``shard="global"`` with ``W > 1``. The neighbouring relati
 
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 from typing import Any
 
-import dp_accounting
 import numpy as np
-from dp_accounting.dp_event import MixtureOfGaussiansDpEvent
-from dp_accounting.pld import privacy_loss_distribution as _pld
-from dp_accounting.pld import privacy_loss_mechanism as _plm
-from dp_accounting.rdp import rdp_privacy_accountant as _rdp
 
 from workbench.errors import WorkbenchError
+
+
+class _Lazy:
+    """A module imported on its first attribute access: dp_accounting pulls in scipy (seconds), which a run whose
+    calibration is cached (workbench.cache) needs only for the epsilon it logs, computed off the training thread."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        module = importlib.import_module(self._name)
+        self.__dict__.update(vars(module))  # later lookups skip __getattr__
+        return getattr(module, attr)
+
+
+dp_accounting = _Lazy("dp_accounting")
+_pld = _Lazy("dp_accounting.pld.privacy_loss_distribution")
+_plm = _Lazy("dp_accounting.pld.privacy_loss_mechanism")
+_rdp = _Lazy("dp_accounting.rdp.rdp_privacy_accountant")
+_vectorized = _Lazy("workbench.pld_losses")  # subclasses of dp_accounting's privacy losses
+
+
+def code_version() -> str:
+    """What a cached privacy result (workbench.cache) depends on besides its arguments."""
+    from workbench import cache
+
+    return cache.code_version(("privacy.py", "pld_losses.py"), ("dp-accounting", "opacus"))
 
 ACCOUNTANTS = ("pld", "rdp", "prv")
 SHARDS = ("per_rank", "global")
@@ -84,7 +107,7 @@ def multiplicity_probs(world_size: int, sample_rate: float) -> list[float]:
 def _step_event(sample_rate: float, noise_multiplier: float, world_size: int, shard: str) -> dp_accounting.DpEvent:
     if shard == "per_rank" or world_size == 1:
         return dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier))
-    return MixtureOfGaussiansDpEvent(
+    return dp_accounting.dp_event.MixtureOfGaussiansDpEvent(
         standard_deviation=noise_multiplier,
         sensitivities=[float(k) for k in range(world_size + 1)],
         sampling_probs=multiplicity_probs(world_size, sample_rate),
@@ -107,98 +130,12 @@ def dp_event(sample_rate: float, noise_multiplier: float, steps: int, world_size
 # ------------------------------------------------------------------------------------- single-step PLDs
 
 
-class _VectorizedMixtureGaussianPrivacyLoss(_plm.MixtureGaussianPrivacyLoss):
-    """``MixtureGaussianPrivacyLoss`` with its inverse-privacy-loss bisection run for all points at once.
-
-    dp_accounting 0.6 bisects recursively in Python, one privacy-loss evaluation per tree node (seconds per PLD at
-    W=8). Here every point runs the *same* bisection (same bounds, same midpoints, same comparisons, same stopping
-    rule, same rounding) as a numpy array, so the resulting PLD is identical; ``tests/test_privacy.py`` checks it
-    against the stock ``dp_accounting`` computation.
-    """
-
-    def _privacy_losses(self, xs: np.ndarray) -> np.ndarray:
-        """``privacy_loss(x)`` for each x: the same terms, log-added left to right as ``np.logaddexp.reduce`` does."""
-        sign = 1.0 if self.adjacency_type == _plm.AdjacencyType.ADD else -1.0
-        acc = None
-        for constant, sensitivity in zip(self._precompute_privacy_loss_constants, self.sensitivities):
-            term = constant + sign * (sensitivity * xs / self._variance)
-            acc = term if acc is None else np.logaddexp(acc, term)
-        return -acc if sign > 0 else acc
-
-    def _inverse_privacy_losses_with_range(self, privacy_losses, bounds, precision=1e-6):
-        losses = np.asarray(privacy_losses, dtype=float)
-        if len(losses) == 0:
-            return []
-        lo = np.full(losses.shape, float(bounds[0]))
-        hi = np.full(losses.shape, float(bounds[1]))
-        active = np.flatnonzero(hi - lo > precision)
-        while active.size:
-            mid = (lo[active] + hi[active]) / 2
-            up = losses[active] < self._privacy_losses(mid)  # loss decreases in x: the inverse lies above mid
-            lo[active[up]] = mid[up]
-            hi[active[~up]] = mid[~up]
-            active = active[hi[active] - lo[active] > precision]
-        return np.floor(hi / precision) * precision
-
-
-class _VectorizedGaussianPrivacyLoss(_plm.GaussianPrivacyLoss):
-    """``GaussianPrivacyLoss`` whose ``get_delta_for_epsilon`` inverts all privacy losses as one numpy expression.
-
-    dp_accounting 0.6 inverts them one by one in a Python list comprehension (most of the time spent building a
-    Poisson PLD). The closed form is the library's own, term for term; values it special-cases (the ends of the
-    range, a privacy loss of exactly 0, anything non-finite) go through the library's scalar method unchanged.
-    """
-
-    def _inverse_privacy_losses(self, losses: np.ndarray) -> np.ndarray:
-        s, var, q = self.sensitivity, self._standard_deviation**2, self.sampling_prob
-        remove = self.adjacency_type == _plm.AdjacencyType.REMOVE
-        if q == 1.0:
-            x = -0.5 * s - losses * var / s
-            return x if remove else s + x
-        # privacy loss without subsampling: +-log_a_times_exp_b_plus_c(1/q, +-loss, 1 - 1/q), a > 0 > c
-        b = losses if remove else -losses
-        d = b + np.log(1 / q)
-        log_minus_c = np.log(-(1 - 1 / q))
-        edge = math.log(1 - q) if remove else -math.log(1 - q)
-        with np.errstate(all="ignore"):
-            pl = d + np.log1p(-np.exp(log_minus_c - d))
-            x = -0.5 * s - (pl if remove else -pl) * var / s
-        special = (~np.isfinite(losses) | (b == 0) | (log_minus_c >= d)
-                   | (np.abs(losses - edge) <= 1e-9 * np.maximum(np.abs(losses), abs(edge))))  # math.isclose
-        if not remove:
-            x = s + x
-        for i in np.flatnonzero(special):
-            x[i] = self.inverse_privacy_loss(float(losses[i]))
-        return x
-
-    def get_delta_for_epsilon(self, epsilon):
-        # AdditiveNoisePrivacyLoss.get_delta_for_epsilon (ADD / REMOVE), with the inverses computed at once
-        is_scalar = isinstance(epsilon, numbers.Number)
-        epsilons = np.array([epsilon]) if is_scalar else np.asarray(epsilon)
-        deltas = np.zeros_like(epsilons, dtype=float)
-        if self.sampling_prob == 1.0:
-            inverse_indices = np.full_like(epsilons, True, dtype=bool)
-        elif self.adjacency_type == _plm.AdjacencyType.ADD:
-            inverse_indices = epsilons < -math.log1p(-self.sampling_prob)
-        elif self.adjacency_type == _plm.AdjacencyType.REMOVE:
-            inverse_indices = epsilons > math.log1p(-self.sampling_prob)
-            other_indices = np.logical_not(inverse_indices)
-            deltas[other_indices] = -np.expm1(epsilons[other_indices])
-        else:
-            return super().get_delta_for_epsilon(epsilon)
-        x_cutoffs = self._inverse_privacy_losses(np.asarray(epsilons[inverse_indices], dtype=float))
-        deltas[inverse_indices] = (self.mu_upper_cdf(x_cutoffs)
-                                   - np.exp(epsilons[inverse_indices] + self.mu_lower_log_cdf(x_cutoffs)))
-        deltas = np.clip(deltas, 0, 1)
-        return float(deltas[0]) if is_scalar else deltas
-
-
 def _gaussian_pld(standard_deviation: float, sampling_prob: float,
                   value_discretization_interval: float) -> _pld.PrivacyLossDistribution:
     """``privacy_loss_distribution.from_gaussian_mechanism`` (its defaults, add-or-remove) with the fast inverse."""
     def pmf(adjacency):
         return _pld._create_pld_pmf_from_monotone_privacy_loss(  # pylint: disable=protected-access
-            _VectorizedGaussianPrivacyLoss(standard_deviation, sampling_prob=sampling_prob, adjacency_type=adjacency),
+            _vectorized._VectorizedGaussianPrivacyLoss(standard_deviation, sampling_prob=sampling_prob, adjacency_type=adjacency),
             pessimistic_estimate=True, value_discretization_interval=value_discretization_interval,
             use_connect_dots=True)
 
@@ -217,7 +154,7 @@ def _mixture_gaussian_pld(standard_deviation: float, sensitivities, sampling_pro
     try:
         pmfs = [
             _pld._create_pld_pmf_from_monotone_privacy_loss(  # pylint: disable=protected-access
-                _VectorizedMixtureGaussianPrivacyLoss(standard_deviation, sensitivities, sampling_probs,
+                _vectorized._VectorizedMixtureGaussianPrivacyLoss(standard_deviation, sensitivities, sampling_probs,
                                                       pessimistic_estimate=True, adjacency_type=adjacency),
                 pessimistic_estimate=True, value_discretization_interval=value_discretization_interval,
                 use_connect_dots=True)

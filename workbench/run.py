@@ -8,6 +8,7 @@ import logging
 import math
 import secrets
 import tempfile
+import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,8 @@ from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from workbench import callbacks as callbacks_, checkpoint, config, data, data_checks, distributed, hf, privacy
+from workbench import cache, checkpoint, config, data, data_checks, distributed, hf, privacy
+from workbench import callbacks as callbacks_
 from workbench.audit import AuditResult
 from workbench.canaries import CanaryAudit
 from workbench.errors import WorkbenchError
@@ -102,20 +104,29 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: l
         output_dir = Path(cfg.output_dir)
         config.check_writable(output_dir)
         job = _build(cfg, d, compute_metrics, callbacks or [])
-        tracker = make_tracker(cfg, d.is_main)
-        tags = {"backend": d.backend, "ddp_shard": cfg.ddp_shard, "world_size": d.world_size, "git_sha": git_sha(),
-                "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags}
-        if job["fixed_modules"]:
-            tags["fixed_modules"] = "; ".join(job["fixed_modules"])
-        tracker.start({**tags, "status": "running"}, run_id=job["resume_run_id"] or cfg.tracking.run_id,
-                      sweep_dir=cfg.tracking.sweep_dir)
-        if job["accountant"] is not None:  # what a sweep composes, known even if the run fails before its summary
-            a = job["accountant"]
-            tracker.set_tags({"workbench.dp_event": json.dumps(dict(
-                sample_rate=a.sample_rate, noise_multiplier=a.noise_multiplier, world_size=a.world_size, shard=a.shard,
-                planned_steps=job["total_steps"], delta=job["delta"]))})
-        run_id = d.broadcast_object(tracker.run_id)
-        result = _fit(cfg, d, job, tracker, run_id, output_dir)
+
+        def started_tracker():
+            tracker = make_tracker(cfg, d.is_main)
+            tags = {"backend": d.backend, "ddp_shard": cfg.ddp_shard, "world_size": d.world_size, "git_sha": git_sha(),
+                    "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags}
+            if job["fixed_modules"]:
+                tags["fixed_modules"] = "; ".join(job["fixed_modules"])
+            tracker.start({**tags, "status": "running"}, run_id=job["resume_run_id"] or cfg.tracking.run_id,
+                          sweep_dir=cfg.tracking.sweep_dir)
+            if job["accountant"] is not None:  # what a sweep composes, known even if the run fails before its summary
+                a = job["accountant"]
+                tracker.set_tags({"workbench.dp_event": json.dumps(dict(
+                    sample_rate=a.sample_rate, noise_multiplier=a.noise_multiplier, world_size=a.world_size,
+                    shard=a.shard, planned_steps=job["total_steps"], delta=job["delta"]))})
+            return tracker
+
+        if d.distributed:  # every rank needs the run id before its first checkpoint: start it now, share it
+            tracker = started_tracker()
+            run_id = d.broadcast_object(tracker.run_id)
+            result = _fit(cfg, d, job, tracker, lambda: run_id, output_dir)
+        else:
+            tracker = _StartingTracker(started_tracker) if cfg.tracking.enabled else started_tracker()
+            result = _fit(cfg, d, job, tracker, lambda: tracker.run_id, output_dir)
         d.barrier()  # ranks leave together: one tearing its gloo connections down under a busy peer can abort
         return result
     except BaseException as e:
@@ -143,6 +154,41 @@ def _autocast_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype | None
     if cfg.fp16 and device.type != "cuda":
         raise WorkbenchError(f"fp16=true needs CUDA (this job runs on {device.type}); use bf16=true")
     return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else None
+
+
+class _StartingTracker:
+    """A one-process job's tracker, made and its MLflow run started on a background thread: importing mlflow, opening
+    the store and creating the run (seconds) overlap the first training steps instead of delaying them. Every use
+    waits for the start and re-raises its error; a start that failed has no run to finish."""
+
+    def __init__(self, start: Callable[[], Any]):
+        self._tracker, self._error = None, None
+        self._thread = threading.Thread(target=self._start, args=(start,), name="workbench-tracker-start", daemon=True)
+        self._thread.start()
+
+    def _start(self, start: Callable[[], Any]) -> None:
+        try:
+            self._tracker = start()
+        except BaseException as e:  # noqa: BLE001 - re-raised on first use
+            self._error = e
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self._thread.join()
+        if self._tracker is not None:
+            self._tracker.finish(status)
+        elif status == "FINISHED":
+            raise self._error
+
+    @property
+    def run_id(self) -> str | None:  # a failed start has no run (its error surfaces on the first use that needs one)
+        self._thread.join()
+        return self._tracker.run_id if self._tracker is not None else None
+
+    def __getattr__(self, name: str) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return getattr(self._tracker, name)
 
 
 def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None, extra_callbacks: list) -> dict[str, Any]:
@@ -205,11 +251,16 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
             warnings.warn(message, stacklevel=1)
         if p.noise_multiplier == 0:
             raise WorkbenchError("privacy.noise_multiplier=0 gives no privacy; use privacy.enabled=false for a non-private run")
-        sigma = p.noise_multiplier if p.noise_multiplier is not None else privacy.calibrate_noise(
-            p.accountant, shard.sample_rate, total_steps, p.target_epsilon, delta, d.world_size, cfg.ddp_shard)
+        sigma = p.noise_multiplier if p.noise_multiplier is not None else cache.cached(
+            "calibrate_noise", lambda: privacy.calibrate_noise(p.accountant, shard.sample_rate, total_steps,
+                                                               p.target_epsilon, delta, d.world_size, cfg.ddp_shard),
+            kind=p.accountant, sample_rate=shard.sample_rate, steps=total_steps, target_epsilon=p.target_epsilon,
+            delta=delta, world_size=d.world_size, shard=cfg.ddp_shard, code=privacy.code_version())
         accountant = privacy.Accountant(p.accountant, shard.sample_rate, sigma, d.world_size, cfg.ddp_shard)
         if p.target_epsilon is not None:
-            budget = accountant.max_steps(p.target_epsilon, delta, total_steps)
+            budget = cache.cached("max_steps", lambda: accountant.max_steps(p.target_epsilon, delta, total_steps),
+                                  accountant=accountant.state_dict(), target_epsilon=p.target_epsilon, delta=delta,
+                                  upper=total_steps, code=privacy.code_version())
             if budget == 0:
                 raise WorkbenchError(f"privacy.target_epsilon={p.target_epsilon} is exceeded by the first step at "
                                      f"noise_multiplier={sigma}; raise the noise or the target")
@@ -271,14 +322,15 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
                 autocast_dtype=autocast_dtype)
 
 
-def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str | None, output_dir: Path) -> TrainResult:
+def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id_of: Callable[[], str | None],
+         output_dir: Path) -> TrainResult:
     model, accountant, delta, canaries = job["model"], job["accountant"], job["delta"], job["canaries"]
     last_saved: list[Path | None] = [None]
 
     def state(step: int) -> dict:
         optimizer = job["optimizer"].state_dict()
         return {"model": hf.model_state(model), "optimizer": canaries.without_canaries(optimizer) if canaries else optimizer,
-                "scheduler": job["scheduler"].state_dict(), "step": step, "run_id": run_id,
+                "scheduler": job["scheduler"].state_dict(), "step": step, "run_id": run_id_of(),
                 "privacy_digest": job["digest"], "world_size": d.world_size, "secret": job["secret"],
                 "accountant": accountant.state_dict() if accountant is not None else None}
 
@@ -328,6 +380,7 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
 
             tracker.log_figure(training_curves(trainer.history), "training_curves.png")
     tracker.finish("FINISHED")
+    run_id = run_id_of()
     uri = tracker.uri if run_id else None
     if d.is_main:
         print(closing_line(metrics, epsilon, delta, steps, run_id, uri, audit=found), flush=True)

@@ -80,7 +80,8 @@ class GradientStep:
         self.clipper.check(self._to_device(batch), self._precise_losses)
 
     def _forward(self, module: nn.Module, batch: Batch) -> Any:
-        if self.private and self.mode == "ew":  # Opacus' wrapper reads the batch size off a positional input
+        # Opacus' ew wrapper reads the batch size off a positional input (the pre-run check also calls the bare model)
+        if self.private and self.mode == "ew" and module is self.module:
             from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
 
             module = call_for_per_sample_grads(module._module, batch_size=len(batch), loss_reduction="sum")

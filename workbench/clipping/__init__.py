@@ -13,7 +13,6 @@ from torch import nn
 
 from workbench.clipping import book_keeping
 from workbench.clipping.base import LossFn
-from workbench.errors import WorkbenchError
 
 __all__ = ["LossFn", "fastest_grad_sample_mode", "make"]
 
@@ -23,8 +22,9 @@ _EW_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.Group
 
 
 def fastest_grad_sample_mode(model: nn.Module) -> str:
-    """What grad_sample_mode=auto picks, by benchmarks/RESULTS.md: book-keeping for all-Linear models (one backward,
-    per-sample gradients never materialised), expanded weights where it covers every layer, else Opacus' hooks."""
+    """What grad_sample_mode=auto picks, by benchmarks/RESULTS.md: book-keeping where it has a rule for every trainable
+    layer (one backward, per-sample gradients never materialised), expanded weights where that covers every layer,
+    else Opacus' hooks. Every mode's pre-run check still runs: a model that breaks bk's assumptions is refused."""
     layers = book_keeping.trainable_layers(model)
     if layers and book_keeping.refusal(layers) is None:
         return "bk"

@@ -18,6 +18,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from workbench.errors import WorkbenchError
+
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
@@ -37,6 +39,24 @@ class Strategy:
 
     def accumulate(self, batch: Any, loss_fn: LossFn, view_of: dict[int, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
+
+
+def require_own(k: int, name: str, mode: str, got: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor,
+                tolerance: float, floor: float = 0.0) -> None:
+    """The pre-run check's verdict on one parameter: example k's row ``got`` must equal autograd's gradient ``ref``
+    of example k's loss alone, up to rounding. Rounding grows with the terms summed (``magnitude``: the same sum over
+    |terms|), not with their possibly cancelling sum; in half precision small entries underflow, hence the floor at
+    the parameter's largest term. ``floor``: rounding noise allowed everywhere (for a check that cannot see the terms)."""
+    bound = tolerance * (ref.abs() + magnitude + float(magnitude.max()) * tolerance) + floor + 1e-12
+    if not bool(((got - ref).abs() <= bound).all()):
+        raise WorkbenchError(
+            f"grad_sample_mode={mode}: example {k}'s gradient of {name!r} is not its own: the model mixes examples "
+            "(across the batch, in a layer or the loss), feeds a layer time-major, or uses the weight outside its "
+            "layer; per-sample clipping cannot apply")
+
+
+def check_tolerance(dtype: torch.dtype) -> float:
+    return max(1e-4, 16 * torch.finfo(dtype).eps)
 
 
 def clip_factors(norms: torch.Tensor, clip: float) -> torch.Tensor:

@@ -11,33 +11,91 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workbench.clipping.base import LossFn, Strategy, add_grads, clip_factors
+from workbench.clipping.base import LossFn, Strategy, add_grads, check_tolerance, clip_factors, require_own
 from workbench.errors import WorkbenchError
 
 
-class _OpacusStrategy(Strategy):
+class _Checked(Strategy):
+    """The pre-run check for Opacus' modes: on a real batch, in training mode, each example's per-sample gradient (or
+    its norm, for ghost) must equal autograd's gradient of that example's loss alone, computed on the unwrapped model.
+    Opacus sees a weight only through its layer's hooks: a weight also used outside its layer fails here."""
+
     params: list[nn.Parameter]
+    mode: str
+    checked = False  # GradientStep checks the first micro-batch itself when check() did not run before training
 
-    def _per_example(self, p: nn.Parameter, per_sample: torch.Tensor, n: int) -> torch.Tensor:
-        """Opacus sums over the batch, without a word, a layer whose input has no batch dimension: refuse it."""
-        if per_sample.shape[0] != n:
-            name = next(k for k, q in self.module.named_parameters() if q is p).removeprefix("_module.")
-            raise WorkbenchError(f"parameter {name!r} has no per-example gradient (its layer's input is shared by the "
-                                 "batch, e.g. position embeddings of shape (1, T)): freeze it, or feed it per-example "
-                                 "inputs")
-        return per_sample
+    def _rows(self, n: int) -> dict[int, torch.Tensor]:
+        """Per parameter id, what the mode computed per example after a backward of the summed losses."""
+        raise NotImplementedError
+
+    def check(self, batch, loss_fn: LossFn) -> None:
+        seed = int(torch.randint(0, 2**62, (1,)))
+        was_training = self.module.training
+        self.module.train()
+        hooks = getattr(self.module, "disable_hooks", None)
+        try:
+            with torch.random.fork_rng(devices=[]):  # the same dropout masks in both forwards
+                torch.manual_seed(seed)
+                if hooks:
+                    self.module.disable_hooks()
+                try:
+                    losses = loss_fn(self.module._module, batch)
+                    own = [torch.autograd.grad(losses[k], self.params, retain_graph=True, allow_unused=True)
+                           for k in range(len(losses))]
+                finally:
+                    if hooks:
+                        self.module.enable_hooks()
+                torch.manual_seed(seed)
+                try:
+                    loss_fn(self.module, batch).sum().backward()
+                except RuntimeError as e:  # e.g. expanded weights meeting a weight used outside its layer
+                    raise WorkbenchError(f"grad_sample_mode={self.mode} cannot compute this model's per-sample "
+                                         f"gradients: {str(e).splitlines()[0]}") from e
+            rows = self._rows(len(own))
+        finally:
+            self.module.train(was_training)
+            for p in self.params:
+                p.grad_sample = p.grad = None
+                p._norm_sample = None
+        names = {id(p): n for n, p in self.module._module.named_parameters()}
+        for p in self.params:  # Opacus sums, without a word, over a batch its layer's input does not have
+            if id(p) in rows and len(rows[id(p)]) != len(own):
+                raise WorkbenchError(
+                    f"grad_sample_mode={self.mode}: parameter {names[id(p)]!r} has no per-example gradient (rows for "
+                    f"{len(rows[id(p)])} examples in a batch of {len(own)}: its layer's input does not keep the batch "
+                    "as dim 0, e.g. position embeddings looked up with ids of shape (1, T)): freeze it, or feed it "
+                    "per-example inputs")
+        tolerance = check_tolerance(self.params[0].dtype)
+        exact = torch.promote_types(self.params[0].dtype, torch.float32)
+        for k, grads in enumerate(own):
+            refs = []
+            for p, ref in zip(self.params, grads):
+                ref = torch.zeros(p.shape, device=p.device, dtype=exact) if ref is None else ref.to(exact)
+                if ref.is_sparse:
+                    ref = ref.to_dense()
+                refs.append(torch.linalg.vector_norm(ref) if self.mode == "ghost" else ref)
+            # Without the terms, a gradient that is zero in exact arithmetic (attention's key bias: softmax ignores a
+            # shift shared by every key) is rounding noise at the scale of the example's whole gradient, not its own.
+            floor = 16 * torch.finfo(self.params[0].dtype).eps * max(float(r.abs().max()) for r in refs)
+            for p, ref in zip(self.params, refs):
+                got = rows[id(p)][k].to(exact) if id(p) in rows else torch.zeros_like(ref)
+                require_own(k, names[id(p)], self.mode, got, ref, ref.abs(), tolerance, floor)
+        self.checked = len(own) > 1  # one example cannot show mixing: the first larger batch is checked too
 
 
-class PerSampleGradients(_OpacusStrategy):
+class PerSampleGradients(_Checked):
     def __init__(self, model: nn.Module, params: list[nn.Parameter], clip: float, mode: str):
         from opacus.grad_sample import GradSampleModule, GradSampleModuleExpandedWeights
 
-        self.params, self.clip = params, clip
+        self.params, self.clip, self.mode = params, clip, mode
         if mode == "ew":
             self.module = GradSampleModuleExpandedWeights(model, batch_first=True, loss_reduction="sum")
         else:
             self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum",
                                            force_functorch=mode == "functorch")
+
+    def _rows(self, n):
+        return {id(p): p.grad_sample for p in self.params if p.grad_sample is not None}
 
     def accumulate(self, batch, loss_fn: LossFn, view_of: dict[int, torch.Tensor]) -> torch.Tensor:
         losses = loss_fn(self.module, batch)
@@ -46,8 +104,8 @@ class PerSampleGradients(_OpacusStrategy):
         # None: a parameter unused in this forward; its clipped gradient is zero.
         # Norms, factors and the sum in the parameters' dtype (float32), from the very values summed, whatever
         # precision the backward ran in (bf16/fp16 autocast).
-        flat_samples = [(view_of[id(p)], self._per_example(p, p.grad_sample, n).reshape(n, -1).to(view_of[id(p)].dtype))
-                        for p in self.params if p.grad_sample is not None]
+        flat_samples = [(view_of[id(p)], p.grad_sample.reshape(n, -1).to(view_of[id(p)].dtype)) for p in self.params
+                        if p.grad_sample is not None]
         norms = torch.zeros(n, device=losses.device)
         if flat_samples:  # vector_norm and addmv_: no full-size temporaries of the per-sample gradients
             norms = torch.linalg.vector_norm(
@@ -61,13 +119,16 @@ class PerSampleGradients(_OpacusStrategy):
         return losses.detach()
 
 
-class Ghost(_OpacusStrategy):
+class Ghost(_Checked):
     def __init__(self, model: nn.Module, params: list[nn.Parameter], clip: float):
         from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
 
-        self.params, self.clip = params, clip
+        self.params, self.clip, self.mode = params, clip, "ghost"
         self.module = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="sum",
                                                            max_grad_norm=clip, use_ghost_clipping=True)
+
+    def _rows(self, n):
+        return {id(p): p._norm_sample for p in self.params if getattr(p, "_norm_sample", None) is not None}
 
     def accumulate(self, batch, loss_fn: LossFn, view_of: dict[int, torch.Tensor]) -> torch.Tensor:
         losses = loss_fn(self.module, batch)
@@ -76,7 +137,7 @@ class Ghost(_OpacusStrategy):
         for p in self.params:
             ns = getattr(p, "_norm_sample", None)
             if ns is not None:
-                norms.add_(self._per_example(p, ns, len(losses)).pow(2))
+                norms.add_(ns.pow(2))
                 p._norm_sample = None
             p.grad = None
         factor = clip_factors(norms.sqrt_(), self.clip)

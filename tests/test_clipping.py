@@ -1,0 +1,253 @@
+"""Book-keeping (grad_sample_mode=bk) per layer type against the definition: a per-example autograd loop, each
+example's gradient clipped to C, summed. Sequences, reused layers, frozen parameters, LoRA adapters and bf16 included."""
+
+import pytest
+import torch
+from torch import nn
+
+from workbench.clipping import fastest_grad_sample_mode
+from workbench.clipping.layers import ConvRule
+from workbench.distributed import setup
+from workbench.errors import WorkbenchError
+from workbench.models import TinyTransformer
+from workbench.trainer import GradientStep
+
+CLIP = 0.3  # small enough that clipping bites on most examples here
+
+
+def _clipped_sum_loop(model, x, y, clip, dtype=torch.float64):
+    """The definition, computed in ``dtype`` (float64: an independent, more exact reference)."""
+    model = model.to(dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in params]
+    bites = 0
+    for i in range(len(y)):
+        xi = x[i:i + 1].to(dtype) if x.is_floating_point() else x[i:i + 1]
+        grads = torch.autograd.grad(nn.functional.cross_entropy(model(xi), y[i:i + 1]), params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        norm = float(torch.sqrt(sum(g.pow(2).sum() for g in grads)))
+        bites += norm > clip
+        for t, g in zip(total, grads):
+            t += min(1.0, clip / (norm + 1e-6)) * g
+    return total, bites
+
+
+def _bk_sum(model, x, y, clip, physical=64):
+    step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=clip,
+                        noise_multiplier=0.0, grad_sample_mode="bk", max_physical_batch_size=physical)
+    step.check((x, y))
+    step((x, y), step=0)
+    return [p.grad.clone() for p in step.params]
+
+
+class _Embed(nn.Module):
+    """Token ids (B, T) with repeats inside an example and across examples; a padding row; a reused Linear."""
+
+    def __init__(self, sparse=False):
+        super().__init__()
+        self.emb = nn.Embedding(7, 5, padding_idx=0, sparse=sparse)
+        self.fc, self.head = nn.Linear(5, 5), nn.Linear(5, 3)
+
+    def forward(self, ids):
+        h = torch.tanh(self.fc(torch.tanh(self.fc(self.emb(ids)))))
+        return self.head(h.mean(1))
+
+
+class _Conv(nn.Module):
+    def __init__(self, dims, groups=1, padding=1, padding_mode="zeros", stride=1, dilation=1, bias=True):
+        super().__init__()
+        conv = nn.Conv1d if dims == 1 else nn.Conv2d
+        self.dims = dims
+        self.c1 = conv(2, 4, 3, padding=padding, padding_mode=padding_mode, stride=stride, dilation=dilation,
+                       groups=groups, bias=bias)
+        self.norm = nn.GroupNorm(2, 4)
+        self.c2 = conv(4, 4, 2, groups=groups)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        x = x.view(len(x), 2, *([6, 6] if self.dims == 2 else [12]))
+        h = torch.relu(self.norm(self.c1(x)))
+        h = torch.tanh(self.c2(torch.tanh(self.c2(h))) if self.dims == 1 else self.c2(h))  # 1-d: reused
+        return self.head(h.flatten(2).mean(-1))
+
+
+class _WideConv(nn.Module):
+    """Many channels on few positions: the conv rule takes the Gram-matrix route here (the others form gradients)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.head = nn.Conv2d(8, 16, 3), nn.Linear(16, 3)
+        assert ConvRule().use_gram(self.c, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.c(x.view(len(x), 8, 4, 4))).mean((2, 3)))
+
+
+class _Norms(nn.Module):
+    """LayerNorm / RMSNorm on (B, T, d), one of them called twice; a frozen weight with a trainable bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.fc.weight.requires_grad_(False)
+        self.ln, self.rms, self.head = nn.LayerNorm(6), nn.RMSNorm(6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.ln(torch.tanh(self.fc(x.view(len(x), 3, 4))))
+        return self.head(self.rms(self.ln(h * 2 + 1)).mean(1))
+
+
+class LoRALinear(nn.Module):
+    """A minimal LoRA adapter (as peft's lora.Linear: a frozen base Linear, trainable Linears A and B)."""
+
+    def __init__(self, base: nn.Linear, r=2, alpha=4.0):
+        super().__init__()
+        self.base_layer = base.requires_grad_(False)
+        self.lora_A = nn.Linear(base.in_features, r, bias=False)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False)
+        nn.init.normal_(self.lora_B.weight)  # (peft starts B at zero; non-zero here so A's gradient is not zero)
+        self.scaling = alpha / r
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x)) * self.scaling
+
+
+class _LoRA(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(9, 8).requires_grad_(False)
+        self.q = LoRALinear(nn.Linear(8, 8))
+        self.head = LoRALinear(nn.Linear(8, 3))
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.q(self.emb(ids))).mean(1))
+
+
+def _floats(n, d, seed=5):
+    return torch.randn(n, d, generator=torch.Generator().manual_seed(seed))
+
+
+def _ids(n=9, t=6, vocab=7, seed=3):
+    return torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+CASES = {
+    "embedding": (_Embed, lambda: _ids()),
+    "conv1d_reused": (lambda: _Conv(1), lambda: _floats(9, 24)),
+    "conv1d_same_reflect_groups": (lambda: _Conv(1, groups=2, padding="same", padding_mode="reflect"),
+                                   lambda: _floats(9, 24)),
+    "conv2d": (lambda: _Conv(2), lambda: _floats(9, 72)),
+    "conv2d_strided_dilated_groups_nobias": (lambda: _Conv(2, groups=2, stride=2, dilation=2, padding=2, bias=False),
+                                            lambda: _floats(9, 72)),
+    "conv2d_same_circular": (lambda: _Conv(2, padding="same", padding_mode="circular"), lambda: _floats(9, 72)),
+    "conv2d_gram": (_WideConv, lambda: _floats(9, 128)),
+    "layernorm_rmsnorm_frozen_weight": (_Norms, lambda: _floats(9, 12)),
+    "lora": (_LoRA, lambda: _ids(vocab=9)),
+    "tiny_transformer": (lambda: TinyTransformer(vocab=11, max_len=6, d_model=8, heads=2, num_classes=3),
+                         lambda: _ids(vocab=11)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("physical", [4, 64])
+def test_book_keeping_matches_the_per_example_loop(case, physical):
+    make, data = CASES[case]
+    x = data() * (3 if data().is_floating_point() else 1)
+    y = torch.randint(0, 3, (len(x),), generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(0)
+    expected, bites = _clipped_sum_loop(make(), x, y, CLIP)
+    assert bites >= 2, "clipping must bite for the comparison to mean something"
+    torch.manual_seed(0)
+    got = _bk_sum(make(), x, y, CLIP, physical)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["tiny_transformer", "conv2d", "lora"])
+def test_book_keeping_in_bf16_is_as_close_as_bf16_allows(case):
+    make, data = CASES[case]
+    x = data()
+    y = torch.randint(0, 3, (len(x),), generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(0)
+    model = make().to(torch.bfloat16)
+    xb = x.to(torch.bfloat16) if x.is_floating_point() else x
+    reference = [t.float() for t in _clipped_sum_loop(model, xb, y, CLIP, torch.bfloat16)[0]]  # the loop, in bf16
+    torch.manual_seed(0)
+    got = _bk_sum(make().to(torch.bfloat16), xb, y, CLIP)
+    for g, e in zip(got, reference):
+        assert g.dtype == torch.bfloat16
+        scale = float(e.abs().max()) + 1e-3
+        assert float((g.float() - e).abs().max()) <= 0.05 * scale
+
+
+def test_auto_picks_book_keeping_for_every_covered_layer_and_refuses_what_it_cannot_see():
+    for make, _ in CASES.values():
+        assert fastest_grad_sample_mode(make()) == "bk"
+    d = setup("gloo")
+    for model, match in ((nn.Sequential(nn.Embedding(5, 3, max_norm=1.0)), "max_norm"),
+                         (nn.Sequential(nn.Embedding(5, 3, scale_grad_by_freq=True)), "scale_grad_by_freq"),
+                         (nn.Sequential(nn.Linear(4, 4), nn.GRU(4, 4)), "no rule for GRU")):
+        with pytest.raises(WorkbenchError, match=match):
+            GradientStep(model, nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=1.0, noise_multiplier=0.0,
+                         grad_sample_mode="bk")
+        assert fastest_grad_sample_mode(model) != "bk"
+
+
+def test_sparse_embedding_is_checked_and_clipped_exactly():
+    x, y = _ids(), torch.randint(0, 3, (9,), generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(0)
+    expected, _ = _clipped_sum_loop(_Embed(), x, y, CLIP)
+    torch.manual_seed(0)
+    for g, e in zip(_bk_sum(_Embed(sparse=True), x, y, CLIP), expected):
+        torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-6)
+
+
+class _FunctionalUse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc(x)) + x @ self.fc.weight.T)  # fc.weight also used outside fc's call
+
+
+class _BroadcastPositions(nn.Module):
+    """Position embeddings looked up once, (T,), and broadcast over the batch: no per-example rows to clip."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(7, 4), nn.Embedding(6, 4), nn.Linear(4, 3)
+
+    def forward(self, ids):
+        return self.head((self.tok(ids) + self.pos(torch.arange(ids.shape[1]))).mean(1))
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks", "functorch", "ew", "ghost", "auto"])
+def test_every_mode_checks_each_example_against_autograd_before_training(mode):
+    d = setup("gloo")
+    x, y = torch.randn(9, 6), torch.randint(0, 3, (9,))
+
+    def step(model):
+        return GradientStep(model, nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=1.0, noise_multiplier=0.0,
+                            grad_sample_mode=mode)
+
+    step(nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 3))).check((x, y))  # a sound model passes
+    with pytest.raises(WorkbenchError, match="gradient of 'fc.weight' is not its own|ew cannot compute"):
+        step(_FunctionalUse()).check((x, y))
+    if mode in ("bk", "auto", "hooks"):
+        with pytest.raises(WorkbenchError, match="'pos'|batch"):
+            step(_BroadcastPositions()).check((_ids(), y))
+
+
+def test_a_layer_without_parameters_that_mixes_examples_is_refused_before_training():
+    """BatchNorm without affine parameters has nothing to clip, so no layer rule sees it; the pre-run check does."""
+    from workbench.models import prepare_model
+
+    model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4, affine=False), nn.Linear(4, 3))
+    # every trainable layer has a rule: Opacus' validator is not consulted, nothing is replaced
+    assert prepare_model(model, private=True) == (model, [])
+    step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=1.0,
+                        noise_multiplier=0.0, grad_sample_mode="auto")
+    with pytest.raises(WorkbenchError, match="mixes examples"):
+        step.check((torch.randn(9, 6), torch.randint(0, 3, (9,))))

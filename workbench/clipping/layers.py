@@ -1,0 +1,300 @@
+"""Book-keeping's per-layer rules: from a layer's inputs ``a`` and output gradients ``g`` (one pair per call in the
+micro-batch, batch first), the per-sample squared gradient norms and the clipped sum, without per-sample gradients
+where the layer allows it.
+
+Each rule offers
+  ``prepare(m, calls, n)``              what the two steps below share (e.g. the calls joined), computed once;
+  ``norms2(m, state, n)``               (n,) squared per-sample norms of m's trainable parameters' gradients (float32+);
+  ``add_clipped(m, state, f, view_of)`` sum_i f_i grad_i into each trainable parameter's buffer view;
+  ``sample(m, calls, k, absolute)``     example k's own gradient per parameter name (``absolute``: the same sum over
+                                        |terms|, the check's rounding scale).
+Only parameters with ``requires_grad`` are clipped (a frozen bias or base weight is skipped). Rules work in float32 at
+least: under bf16/fp16 autocast a and g arrive in half precision, and norms, clip factors and the clipped sum must not
+round there; the sum is cast to the buffer's dtype only when added.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Calls = list[tuple[torch.Tensor, torch.Tensor]]  # (layer input a, gradient g of its output) per call
+
+
+def trainable(m: nn.Module) -> list[str]:
+    return [name for name, p in m.named_parameters(recurse=False) if p.requires_grad]
+
+
+def _norm_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _precise(t: torch.Tensor) -> torch.Tensor:
+    """A layer input or output gradient in float32 at least (no-op in float32/64; integer ids kept)."""
+    return t.to(_norm_dtype(t)) if t.is_floating_point() else t
+
+
+def _squares(t: torch.Tensor) -> torch.Tensor:
+    """(n, ...) -> (n,) sums of squares in float32 at least."""
+    return torch.linalg.vector_norm(t.reshape(len(t), -1), dim=1, dtype=_norm_dtype(t)).square_()  # no temporary
+
+
+class Materialised:
+    """For layers whose per-sample gradients are small (normalisation affine parameters): form them, (n, *shape)."""
+
+    def per_sample(self, m: nn.Module, calls: Calls, absolute: bool = False) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def prepare(self, m, calls, n):
+        return self.per_sample(m, calls)
+
+    def norms2(self, m, state, n):
+        return sum(_squares(gs) for gs in state.values())
+
+    def add_clipped(self, m, state, factor, view_of):
+        for name, gs in state.items():
+            view = view_of[id(getattr(m, name))]
+            view.view(-1).addmv_(gs.reshape(len(gs), -1).t().to(view.dtype), factor.to(view.dtype))
+
+    def sample(self, m, calls, k, absolute=False):
+        return {name: gs[0] for name, gs in self.per_sample(m, [(a[k:k + 1], g[k:k + 1]) for a, g in calls],
+                                                             absolute).items()}
+
+
+def _cat(ts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return ts[0] if len(ts) == 1 else torch.cat(ts, dim)  # cat copies even one tensor
+
+
+def _abs(t: torch.Tensor, absolute: bool) -> torch.Tensor:
+    return t.abs() if absolute else t
+
+
+class LinearRule:
+    """nn.Linear on (n, d) or (n, ..., d) inputs: ||g_i a_i^T||^2 = ||a_i||^2 ||g_i||^2 for one row per example,
+    else the per-sample gradient sum_t g_it a_it^T is formed (exact and never negative, unlike the Gram-matrix
+    "ghost" norm in float32). The clipped sum is one matmul."""
+
+    @staticmethod
+    def prepare(m, calls: Calls, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(calls) == 1 and calls[0][0].dim() == 2:
+            return tuple(_precise(t) for t in calls[0])
+        return tuple(_cat([_precise(t).reshape(n, -1, t.shape[-1]) for t in ts], 1) for ts in zip(*calls))
+
+    def norms2(self, m, state, n):
+        a, g = state
+        names = trainable(m)
+        dtype = _norm_dtype(g)
+        if a.dim() == 2:
+            gg = torch.linalg.vecdot(g, g)
+            out = torch.linalg.vecdot(a, a).mul_(gg) if "weight" in names else torch.zeros_like(gg)
+            return out.add_(gg) if "bias" in names else out
+        out = torch.zeros(n, device=g.device, dtype=dtype)
+        if "weight" in names:
+            out.add_(_squares(torch.bmm(g.transpose(1, 2), a)))
+        if "bias" in names:
+            out.add_(_squares(g.sum(1)))
+        return out
+
+    def add_clipped(self, m, state, factor, view_of):
+        a, g = state
+        names = trainable(m)
+        dtype = view_of[id(getattr(m, names[0]))].dtype
+        # out of place: autograd may hand the same gradient tensor to two layers (z = a(x) + b(x))
+        scaled = (g * factor.view(-1, *[1] * (g.dim() - 1))).to(dtype).reshape(-1, g.shape[-1])
+        if "weight" in names:
+            view_of[id(m.weight)].addmm_(scaled.t(), a.reshape(-1, a.shape[-1]).to(dtype))
+        if "bias" in names:
+            view_of[id(m.bias)].add_(scaled.sum(0))
+
+    def sample(self, m, calls, k, absolute=False):
+        a, g = (torch.cat([t[k].reshape(-1, t.shape[-1]) for t in ts], 0) for ts in zip(*calls))
+        a, g = _abs(a, absolute), _abs(g, absolute)
+        out = {"weight": g.t() @ a, "bias": g.sum(0)}
+        return {name: out[name] for name in trainable(m)}
+
+
+class EmbeddingRule:
+    """nn.Embedding: example i's gradient has one row per distinct index it looks up, the sum of its g rows for
+    that index. Norms come from summing rows per (example, index) pair -- collisions within an example add up,
+    across examples they do not -- with no dense (n, V, d) tensor; the clipped sum is one index_add_."""
+
+    @staticmethod
+    def prepare(m, calls: Calls, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = _cat([a.reshape(n, -1) for a, _ in calls], 1)
+        g = _cat([_precise(g).reshape(n, -1, g.shape[-1]) for _, g in calls], 1)
+        if m.padding_idx is not None:  # the padding row gets no gradient
+            g = g * (idx != m.padding_idx).unsqueeze(-1).to(g.dtype)
+        return idx, g
+
+    def norms2(self, m, state, n):
+        idx, g = state
+        rows = torch.arange(n, device=idx.device).unsqueeze(1) * m.num_embeddings + idx
+        pairs, which = torch.unique(rows.flatten(), return_inverse=True)
+        summed = torch.zeros(len(pairs), g.shape[-1], device=g.device, dtype=_norm_dtype(g))
+        summed.index_add_(0, which, g.reshape(-1, g.shape[-1]).to(summed.dtype))
+        return torch.zeros(n, device=g.device, dtype=summed.dtype).index_add_(
+            0, torch.div(pairs, m.num_embeddings, rounding_mode="floor"), torch.linalg.vecdot(summed, summed))
+
+    def add_clipped(self, m, state, factor, view_of):
+        idx, g = state
+        scaled = (g * factor.view(-1, 1, 1)).to(view_of[id(m.weight)].dtype)
+        view_of[id(m.weight)].index_add_(0, idx.flatten(), scaled.reshape(-1, g.shape[-1]))
+
+    def sample(self, m, calls, k, absolute=False):
+        idx, g = self.prepare(m, [(a[k:k + 1], g[k:k + 1]) for a, g in calls], 1)
+        out = torch.zeros(m.weight.shape, device=g.device, dtype=g.dtype)
+        return {"weight": out.index_add_(0, idx.flatten(), _abs(g[0], absolute))}
+
+
+class ConvRule:
+    """nn.Conv1d / nn.Conv2d, on unfolded patches U_i (C_in k, L) and output gradients g_i (C_out, L) per group.
+    Per-sample norms: from the per-sample gradient g_i U_i^T, or, where cheaper (``use_gram``), by the Gram trick
+    ||g_i U_i^T||^2 = sum_{l,l'} (U_i^T U_i)(g_i^T g_i), in float64 against cancellation; in chunks of examples
+    (bounded memory). The clipped sum is the layer's own weight-gradient kernel (convolution_backward) on the
+    clip-scaled output gradient. (Forming per-sample gradients by a convolution with the batch folded into the groups,
+    as expanded weights does, measured no faster than the unfold on the small CNN.)"""
+
+    CHUNK_ELEMENTS = 2 ** 18  # patches, Gram matrices, per-sample gradients formed at once: 1-2 MiB
+    GRAM_IF = 1.0  # Gram when GRAM_IF * L^2 (C_in k + C_out) < L C_in k C_out per group (benchmarks/RESULTS.md)
+
+    @staticmethod
+    def _padded(m, a: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """The input as the layer pads it ("same" may be uneven, padding modes other than zeros) and what padding
+        the convolution itself then applies."""
+        if m.padding_mode != "zeros" or isinstance(m.padding, str):
+            mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+            return F.pad(a, m._reversed_padding_repeated_twice, mode=mode), (0,) * len(m.kernel_size)
+        return a, tuple(m.padding)
+
+    def prepare(self, m, calls, n):
+        return [(*self._padded(m, _precise(a)), _precise(g)) for a, g in calls]
+
+    @staticmethod
+    def _weight_grad(m, x, padding, g) -> torch.Tensor:
+        """The weight gradient summed over the batch, by the layer's own kernel."""
+        return torch.ops.aten.convolution_backward(
+            g, x, x.new_empty(1).expand(m.weight.shape), None, m.stride, padding, m.dilation, False,
+            (0,) * len(padding), m.groups, (False, True, False))[1]
+
+    def use_gram(self, m, length: int) -> bool:
+        """Per-sample norms by the Gram trick (else from per-sample gradients) at L output positions (all calls)."""
+        p = m.in_channels // m.groups * math.prod(m.kernel_size)
+        d = m.out_channels // m.groups
+        return self.GRAM_IF * length * (p + d) < p * d
+
+    def _patches(self, m, x: torch.Tensor, padding) -> torch.Tensor:
+        """(n, C_in, *spatial) -> (n, groups, C_in/groups * k, L): unfold's channel-major order is the weight's."""
+        one_d = x.dim() == 3
+        u = F.unfold(x.unsqueeze(2) if one_d else x, (1, *m.kernel_size) if one_d else m.kernel_size,
+                     dilation=(1, *m.dilation) if one_d else m.dilation, padding=(0, *padding) if one_d else padding,
+                     stride=(1, *m.stride) if one_d else m.stride)
+        return u.view(len(x), m.groups, -1, u.shape[-1])
+
+    def norms2(self, m, state, n):
+        names = trainable(m)
+        g0 = state[0][2]
+        dtype = _norm_dtype(g0)
+        out = torch.zeros(n, device=g0.device, dtype=dtype)
+        if "weight" in names:
+            lengths = sum(math.prod(g.shape[2:]) for _, _, g in state)
+            gram = self.use_gram(m, lengths)
+            # chunks of examples bound the memory of patches, Gram matrices and per-sample gradients
+            per = m.groups * lengths * (lengths if gram else 1) + m.in_channels * math.prod(m.kernel_size) * lengths \
+                + m.weight.numel()
+            step = max(1, self.CHUNK_ELEMENTS // per)
+            for s in range(0, n, step):
+                chunk = [(x[s:s + step], padding, g[s:s + step]) for x, padding, g in state]
+                # unfolded patches, the calls joined along positions
+                u = _cat([self._patches(m, x, padding) for x, padding, _ in chunk], -1)
+                g = _cat([g.reshape(len(g), m.groups, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
+                if gram:
+                    u, g = u.to(torch.float64), g.to(torch.float64)
+                    out[s:s + step] = (u.transpose(-1, -2) @ u).mul_(g.transpose(-1, -2) @ g).sum((1, 2, 3)).to(dtype)
+                else:
+                    out[s:s + step] = _squares(g @ u.transpose(-1, -2))
+        if "bias" in names:
+            out.add_(_squares(sum(g.flatten(2).sum(-1) for _, _, g in state)))
+        return out
+
+    def add_clipped(self, m, state, factor, view_of):
+        names = trainable(m)
+        dtype = view_of[id(getattr(m, names[0]))].dtype
+        for x, padding, g in state:
+            scaled = (g * factor.view(-1, *[1] * (g.dim() - 1))).to(dtype)
+            if "weight" in names:
+                view_of[id(m.weight)].add_(self._weight_grad(m, x.to(dtype), padding, scaled))
+            if "bias" in names:
+                view_of[id(m.bias)].add_(scaled.flatten(2).sum((0, 2)))
+
+    def sample(self, m, calls, k, absolute=False):
+        out: dict[str, torch.Tensor] = {}
+        for x, padding, g in self.prepare(m, [(a[k:k + 1], g[k:k + 1]) for a, g in calls], 1):
+            u = self._patches(m, x, padding)[0]  # (groups, C_in k / groups, L): an independent route to the gradient
+            gk = g[0].reshape(m.groups, -1, u.shape[-1])
+            u, gk = _abs(u, absolute), _abs(gk, absolute)
+            grads = {"weight": (gk @ u.transpose(-1, -2)).reshape(m.weight.shape), "bias": gk.sum(-1).reshape(-1)}
+            for name in trainable(m):
+                out[name] = out[name] + grads[name] if name in out else grads[name]
+        return out
+
+
+class LayerNormRule(Materialised):
+    """nn.LayerNorm (and nn.RMSNorm): weight gradient sum over positions of g * x_hat, bias gradient sum of g;
+    x_hat is recomputed from the layer's input."""
+
+    def per_sample(self, m, calls, absolute=False):
+        out: dict[str, torch.Tensor] = {}
+        for a, g in calls:
+            shape = m.normalized_shape
+            a32, g32 = a.to(_norm_dtype(a)), g.to(_norm_dtype(g))
+            x_hat = F.rms_norm(a32, shape, eps=m.eps) if isinstance(m, nn.RMSNorm) else \
+                F.layer_norm(a32, shape, eps=m.eps)
+            keep = tuple(range(1, a.dim() - len(shape)))
+            x_hat, g32 = _abs(x_hat, absolute), _abs(g32, absolute)
+            grads = {"weight": (g32 * x_hat).sum(keep) if keep else g32 * x_hat,
+                     "bias": g32.sum(keep) if keep else g32}
+            for name in trainable(m):
+                out[name] = out[name] + grads[name] if name in out else grads[name]
+        return out
+
+
+class GroupNormRule(Materialised):
+    """nn.GroupNorm: per channel, weight gradient sum over positions of g * x_hat, bias gradient sum of g."""
+
+    def per_sample(self, m, calls, absolute=False):
+        out: dict[str, torch.Tensor] = {}
+        for a, g in calls:
+            a32, g32 = a.to(_norm_dtype(a)), g.to(_norm_dtype(g))
+            x_hat = _abs(F.group_norm(a32, m.num_groups, eps=m.eps), absolute)
+            g32 = _abs(g32, absolute)
+            spatial = tuple(range(2, a.dim()))
+            grads = {"weight": (g32 * x_hat).sum(spatial) if spatial else g32 * x_hat,
+                     "bias": g32.sum(spatial) if spatial else g32}
+            for name in trainable(m):
+                out[name] = out[name] + grads[name] if name in out else grads[name]
+        return out
+
+
+RULES: dict[type, object] = {nn.Linear: LinearRule(), nn.Embedding: EmbeddingRule(), nn.Conv1d: ConvRule(),
+                             nn.Conv2d: ConvRule(), nn.LayerNorm: LayerNormRule(), nn.RMSNorm: LayerNormRule(),
+                             nn.GroupNorm: GroupNormRule()}
+PARAMETERS = {nn.Linear: {"weight", "bias"}, nn.Embedding: {"weight"}, nn.Conv1d: {"weight", "bias"},
+              nn.Conv2d: {"weight", "bias"}, nn.LayerNorm: {"weight", "bias"}, nn.RMSNorm: {"weight"},
+              nn.GroupNorm: {"weight", "bias"}}
+
+
+def rule_for(m: nn.Module) -> tuple[object | None, str | None]:
+    """(the rule, None), or (None, why book-keeping cannot clip this layer)."""
+    name = type(m).__name__
+    base = next((t for t in RULES if type(m).forward is t.forward and isinstance(m, t)), None)
+    if base is None:  # a subclass that computes otherwise (a LoRA-merged weight, scaled weights...), or no rule
+        return None, f"has no rule for {name}"
+    if {n for n, _ in m.named_parameters(recurse=False)} - PARAMETERS[base] or m._forward_pre_hooks:
+        return None, f"cannot see how {name}'s weight is computed (extra parameters or pre-hooks)"
+    if base is nn.Embedding and (m.max_norm is not None or m.scale_grad_by_freq):
+        return None, "cannot clip nn.Embedding with max_norm (renormalises the weight in place) or " \
+                     "scale_grad_by_freq (scales by counts over the whole batch: examples mix)"
+    return RULES[base], None
