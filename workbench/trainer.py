@@ -116,7 +116,7 @@ class GradientStep:
             p.grad = None
         if batch is not None:  # 1-2: per-sample gradients, clipped and summed into the flat buffer
             for micro_batch in self._micro_batches(self._to_device(batch)):
-                if getattr(self.clipper, "checked", True) is False:  # bk: normally check() ran before training
+                if getattr(self.clipper, "checked", True) is False:  # normally check() ran before training
                     self.clipper.check(micro_batch, self._precise_losses)
                 losses = self.clipper.accumulate(micro_batch, self._losses, self.view_of)
                 self.loss_sum.add_(losses.sum())
