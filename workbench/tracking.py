@@ -5,6 +5,7 @@ Only world rank 0 talks to MLflow; every other rank gets a :class:`NullTracker` 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -92,18 +93,22 @@ _READY_STORES: set[str] = set()
 
 
 def init_store(uri: str) -> None:
-    """Create and migrate a SQLite store once, under a file lock beside it, before this process logs anything: processes
+    """Create and migrate a SQLite store once, under a file lock, before this process logs anything: processes
     opening a fresh store at once otherwise race in its schema migration. Once per process and store."""
     if uri in _READY_STORES or not uri.startswith("sqlite:///"):
         return
     import fcntl
 
     import mlflow.store.tracking.sqlalchemy_store  # noqa: F401 - seconds of imports, paid outside the lock
+    for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables...": noise to users,
+        logging.getLogger(name).setLevel(logging.WARNING)  # and it would precede a refusal's one line
     from mlflow import MlflowClient
 
     path = Path(uri[len("sqlite:///"):])
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
+    # The lock lives in the temp folder, keyed by the store's path: nothing is left beside the user's store.
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"workbench-store-{key}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         _retry(lambda: MlflowClient(tracking_uri=uri).search_experiments(max_results=1))
     _READY_STORES.add(uri)
