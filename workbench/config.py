@@ -346,6 +346,7 @@ def check_writable(path: Path) -> None:
 def privacy_digest(cfg: DictConfig, world_size: int) -> str:
     """A digest of the fields that change the privacy guarantee (see PRIVACY_FIELDS) and the world size."""
     values: dict[str, Any] = {"world_size": world_size}
-    values |= {name: OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, name)}), resolve=True)["v"]
-              for name in PRIVACY_FIELDS}
+    for name in PRIVACY_FIELDS:
+        value = OmegaConf.select(cfg, name)  # a sub-node resolves its interpolations (${data.task}) against the root
+        values[name] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
     return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
