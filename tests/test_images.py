@@ -27,15 +27,15 @@ def test_resnet_gets_book_keeping_and_synthetic_images_are_deterministic():
 
 @pytest.mark.slow
 def test_images_resnet_preset_end_to_end(tmp_path):
-    # Measured (2026-11-30, 2 shared cores, fresh secret per run): eval_accuracy 0.63-0.84 over 5 runs (seeds 0-3, 42),
-    # chance 0.10; ~30 s a run. The floor sits far below the lowest, with the secret pinned for one deterministic run.
+    # Measured (2026-11-30, 2 shared cores, a fresh secret per run): eval_accuracy 0.57-0.84 over 8 runs (seeds 0-6, 42),
+    # chance 0.10; 20-30 s a run in-process, 30-50 s through the CLI under load. The floor sits far below the lowest, with the secret pinned for one deterministic run.
     proc = run_cli("experiment=images_resnet", "privacy.secure_seed=5", "disable_tqdm=true", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])
     m, tags = run.data.metrics, run.data.tags
     assert run.info.status == "FINISHED" and tags["hydra/model"] == "resnet_gn" and tags["hydra/data"] == "synthetic_images"
-    assert m["eval_accuracy"] >= 0.4
+    assert m["eval_accuracy"] >= 0.35
     assert m["steps"] == 40 and m["sample_rate"] == pytest.approx(256 / 4096)
     acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=DEFAULT_PLD_DISCRETIZATION)
     acc.compose(dp_accounting.SelfComposedDpEvent(
