@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,61 @@ class Synthetic(ArrayDataset):
         y = torch.randint(0, num_classes, (size,), generator=g)
         x = centres[y] + spread * torch.randn(size, in_features, generator=g)
         super().__init__(x, y)
+
+
+class SyntheticImages(ArrayDataset):
+    """CIFAR-shaped images (3x32x32 in [0, 1], 10 classes) made on the fly: each class a colour-tinted sinusoidal grating
+    of its own orientation and frequency, at a random phase per image, under Gaussian pixel noise. Learnable by a
+    small CNN in seconds, deterministic, any size."""
+
+    def __init__(self, size: int = 4096, num_classes: int = 10, seed: int = 0, noise: float = 0.3,
+                 image_size: int = 32):
+        g = torch.Generator().manual_seed(1234)  # class patterns shared by every split
+        angle = torch.arange(num_classes) * torch.pi / num_classes * 3 % torch.pi  # neighbours' angles far apart
+        frequency = 2 * torch.pi * (2 + torch.arange(num_classes) % 3) / image_size
+        tint = 0.5 + torch.rand(num_classes, 3, 1, 1, generator=g)
+        g.manual_seed(seed)
+        y = torch.randint(0, num_classes, (size,), generator=g)
+        phase = 2 * torch.pi * torch.rand(size, 1, 1, generator=g)
+        r = torch.arange(image_size, dtype=torch.float32)
+        along = torch.cos(angle[y])[:, None, None] * r[None, :, None] + torch.sin(angle[y])[:, None, None] * r[None, None, :]
+        wave = torch.cos(frequency[y][:, None, None] * along + phase)  # (size, H, W)
+        x = 0.5 + 0.25 * tint[y] * wave[:, None] + noise * torch.randn(size, 3, image_size, image_size, generator=g)
+        super().__init__(x.clamp(0, 1), y)
+
+
+class CIFAR10(ArrayDataset):
+    """The real CIFAR-10 from its python-pickle folder, as ``torchvision.datasets.CIFAR10(root, train,
+    download=False)`` reads it: ``root/cifar-10-batches-py/data_batch_1..5`` (train) or ``test_batch`` (eval), each a
+    pickled dict with ``data`` (N x 3072 uint8, channel-major) and ``labels``. Images as 3x32x32 floats in [0, 1]."""
+
+    FOLDER = "cifar-10-batches-py"
+
+    def __init__(self, root: str, train: bool = True):
+        folder = Path(root).expanduser() / self.FOLDER
+        names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise WorkbenchError(f"CIFAR-10 not found: {folder / missing[0]} is missing (extract the python version, "
+                                 f"cifar-10-python.tar.gz, under {root}; nothing is downloaded)")
+        images, labels = [], []
+        for name in names:
+            with open(folder / name, "rb") as f:
+                batch = _ArraysOnly(f, encoding="latin1").load()  # written by Python 2: latin1, as torchvision reads it
+            images.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+            labels.extend(batch["labels"])
+        x = torch.from_numpy(np.concatenate(images)).float() / 255
+        super().__init__(x, torch.tensor(labels, dtype=torch.long))
+
+
+class _ArraysOnly(pickle.Unpickler):
+    """Unpickles dicts, lists and numpy arrays only: a downloaded file cannot run code when it is read."""
+
+    def find_class(self, module: str, name: str):
+        if (module.split(".")[0] == "numpy" and name in ("_reconstruct", "ndarray", "dtype", "_frombuffer", "scalar")
+                or (module, name) == ("_codecs", "encode")):  # how Python 3 writes bytes at protocol 2
+            return super().find_class(module, name)
+        raise WorkbenchError(f"refusing to unpickle {module}.{name}: a CIFAR-10 batch holds only arrays and lists")
 
 
 def collate(batch, collator: Callable | None = None):

@@ -42,6 +42,41 @@ class SmallCNN(nn.Module):
         return self.net(x)
 
 
+def _conv_norm(c_in: int, c_out: int, kernel: int, stride: int, groups: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(c_in, c_out, kernel, stride, padding=kernel // 2, bias=False),
+                         nn.GroupNorm(min(groups, c_out), c_out))
+
+
+class BasicBlock(nn.Module):
+    """ResNet's two 3x3 convolutions with a residual connection (a 1x1 projection where the shape changes)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int, groups: int):
+        super().__init__()
+        self.conv1, self.conv2 = _conv_norm(c_in, c_out, 3, stride, groups), _conv_norm(c_out, c_out, 3, 1, groups)
+        self.shortcut = _conv_norm(c_in, c_out, 1, stride, groups) if stride != 1 or c_in != c_out else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv2(torch.relu(self.conv1(x))) + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """A small ResNet for 3x32x32 images (CIFAR-10): a 3x3 stem, one BasicBlock per stage (each stage after the first
+    halves the resolution and doubles the width), global average pooling, a linear head. GroupNorm, not BatchNorm:
+    BatchNorm mixes the examples of a batch, so an example's gradient would not be its own."""
+
+    def __init__(self, num_classes: int = 10, widths: Sequence[int] = (16, 32, 64), groups: int = 4, in_channels: int = 3):
+        super().__init__()
+        stages, width = [_conv_norm(in_channels, widths[0], 3, 1, groups), nn.ReLU()], widths[0]
+        for i, w in enumerate(widths):
+            stages.append(BasicBlock(width, w, 1 if i == 0 else 2, groups))
+            width = w
+        self.features = nn.Sequential(*stages)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean((2, 3)))
+
+
 class TransformerClassifier(nn.Module):
     """A small ``nn.TransformerEncoder`` over a (B, tokens * features) input read as a sequence (digits: 8 rows of 8
     pixels). Its nn.MultiheadAttention is swapped for Opacus' DPMultiheadAttention by ``privacy.fix_model``."""

@@ -73,7 +73,8 @@ def _instantiate(node: Any, what: str, **kwargs) -> Any:
     try:
         return instantiate(node, **kwargs)
     except Exception as e:  # noqa: BLE001 - Hydra wraps the user's error; show its first line
-        msg = " ".join(str(e).split())[:500] or type(e).__name__
+        own = e.__cause__ if isinstance(e.__cause__, WorkbenchError) else None  # ours already says it in one line
+        msg = str(own) if own else " ".join(str(e).split())[:500] or type(e).__name__
         raise WorkbenchError(f"could not build {what}: {msg}") from e
 
 
