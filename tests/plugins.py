@@ -58,6 +58,20 @@ def functional_weight_mlp(in_features=64, hidden=(128,), num_classes=10):
     return Model()
 
 
+def width_net(width: int = 2, num_classes: int = 10):
+    """A user's own model with its own keyword arguments (``model._target_=tests.plugins.width_net +model.width=3``)."""
+    from torch import nn
+
+    return nn.Sequential(nn.Linear(64, width), nn.Tanh(), nn.Linear(width, num_classes))
+
+
+def tiny_blobs(count: int = 300, split_seed: int = 0):
+    """A user's own dataset with its own arguments (``data.train._target_=tests.plugins.tiny_blobs +data.train.count=...``)."""
+    from workbench.data import Synthetic
+
+    return Synthetic(size=count, seed=split_seed)
+
+
 class FlawedSynthetic(Synthetic):
     """Synthetic data with one planted flaw, as a user's real data might have: `nan_input` or `inf_input` at example
     `at`, a `negative_label` there, or `float_labels` throughout."""

@@ -242,10 +242,11 @@ def test_every_mode_checks_each_example_against_autograd_before_training(mode):
 
 def test_a_layer_without_parameters_that_mixes_examples_is_refused_before_training():
     """BatchNorm without affine parameters has nothing to clip, so no layer rule sees it; the pre-run check does."""
-    from workbench.clipping import check_model
+    from workbench.models import prepare_model
 
     model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4, affine=False), nn.Linear(4, 3))
-    check_model(model, private=True)  # every trainable layer has a rule: Opacus' validator is not consulted
+    # every trainable layer has a rule: Opacus' validator is not consulted, nothing is replaced
+    assert prepare_model(model, private=True) == (model, [])
     step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=1.0,
                         noise_multiplier=0.0, grad_sample_mode="auto")
     with pytest.raises(WorkbenchError, match="mixes examples"):

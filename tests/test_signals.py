@@ -12,7 +12,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import REPO
-from workbench import checkpoint, free_port
+from workbench import checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +92,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def _torchrun(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     run_dir = tmp_path / "run"
-    return _start(tmp_path, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+    return _start(tmp_path, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",  # standalone: a port bound when chosen
                   "-m", "workbench", *ARGS, f"output_dir={run_dir}"), run_dir
 
 

@@ -4,7 +4,7 @@ from torch import nn
 
 from workbench.distributed import setup
 from workbench.errors import WorkbenchError
-from workbench.clipping import check_model
+from workbench.models import prepare_model
 from workbench.trainer import GradientStep
 
 
@@ -87,11 +87,11 @@ def test_unused_parameters_train_with_zero_clipped_gradient():
 
 
 def test_models_dp_cannot_handle_are_refused_with_a_fix():
-    with pytest.raises(WorkbenchError, match="BatchNorm -> GroupNorm"):
-        check_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), private=True)
-    check_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), private=False)
+    with pytest.raises(WorkbenchError, match="BatchNorm.*privacy.fix_model=true replaces it"):
+        prepare_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), private=True, fix=False)
+    prepare_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), private=False, fix=False)
     with pytest.raises(WorkbenchError, match="launcher=local"):
-        check_model(nn.DataParallel(nn.Linear(4, 4)), private=False)
+        prepare_model(nn.DataParallel(nn.Linear(4, 4)), private=False)
 
 
 def test_auto_grad_sample_mode_picks_the_fastest_that_fits():

@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from workbench import config
@@ -32,9 +32,13 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config.CONF_DIR), version_base="1.3"):
         try:
-            return hydra_compose(config_name=config_name, overrides=list(overrides))
+            cfg = hydra_compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
         except (HydraException, OmegaConfBaseException, ValueError) as e:
             raise WorkbenchError(_one_line(e, overrides)) from None
+    config.record_choices(cfg, cfg.hydra.runtime.choices)  # as the CLI does: tags, and each group's option
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
 
 
 def _one_line(e: Exception, overrides: Sequence[str]) -> str:

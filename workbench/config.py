@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from workbench.errors import WorkbenchError
@@ -51,6 +51,8 @@ class PrivacyConfig:
     noise_multiplier: Optional[float] = None  # None: calibrated so that target_epsilon is met after all steps
     max_grad_norm: float = 1.0
     grad_sample_mode: str = "auto"  # auto: the fastest mode that supports the model (workbench.clipping)
+    # Replace layers DP-SGD cannot handle by their DP equivalents (workbench.models.prepare_model); false: refuse them.
+    fix_model: bool = True
     # The secret that the Poisson-sampling and noise streams derive from (with seed / data_seed, rank and step).
     # null: a fresh random secret per run, kept in its checkpoints (so a resumed run replays exactly) and never logged.
     # Set it only to reproduce a run bit for bit: whoever knows it can strip the noise and see the batches, so the
@@ -124,6 +126,7 @@ class WorkbenchConfig:
     model: Any = MISSING
     optimizer: Any = MISSING  # partial: learning_rate and weight_decay are passed in
     criterion: Any = MISSING  # must accept reduction="none"
+    peft: Any = None  # peft=lora: adapters wrap the model (workbench.hf.lora)
     compute_metrics: Optional[str] = "workbench.metrics.accuracy"
 
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
@@ -156,6 +159,10 @@ class WorkbenchConfig:
     disable_tqdm: bool = False
     log_on_each_node: bool = True
     save_on_each_node: bool = False
+
+    # Mixed precision (autocast) for forward and backward; norms, clipping, the sum and the noise stay float32.
+    bf16: bool = False  # CPU and CUDA
+    fp16: bool = False  # CUDA only
 
     # Distributed.
     ddp_backend: str = "auto"
@@ -315,8 +322,42 @@ def validate(cfg: DictConfig) -> None:
         raise WorkbenchError("privacy needs privacy.noise_multiplier or privacy.target_epsilon (or privacy.enabled=false)")
     if p.accountant not in ("pld", "rdp", "prv"):
         raise WorkbenchError(f"privacy.accountant={p.accountant!r} is unknown; choose one of pld, rdp, prv")
+    if cfg.bf16 and cfg.fp16:
+        raise WorkbenchError("bf16=true and fp16=true: choose one precision")
     if cfg.launcher.name not in ("inline", "local", "slurm"):
         raise WorkbenchError(f"launcher.name={cfg.launcher.name!r} is unknown; choose one of inline, local, slurm")
+
+
+def record_choices(cfg: DictConfig, choices: Dict[str, Any]) -> None:
+    """Keep the Hydra group choices in the config itself (tags "hydra/<group>"), so that a job without a HydraConfig
+    (launched, resumed, composed in a notebook) still tags its run and knows which option each group came from.
+    Tag keys avoid dots (OmegaConf reads them as paths)."""
+    with open_dict(cfg):
+        for k, v in choices.items():
+            if v is not None and not k.startswith("hydra/"):
+                cfg.tracking.tags.setdefault(f"hydra/{k}", str(v))
+
+
+def own_arguments(cfg: DictConfig, path: str) -> Any:
+    """The node at ``path`` (``model``, ``data.train``, ``data.eval``, ``data.collator``) as its ``_target_`` receives
+    it. When the user points ``_target_`` at another class than the chosen option's (``model._target_=my_pkg.MyNet``),
+    the option's arguments still at the option's values are not passed to it; arguments set or added by the user
+    (``+model.width=3``) are. So one override swaps the class without deleting the old class's keys."""
+    node = OmegaConf.select(cfg, path)
+    group, _, sub = path.partition(".")
+    choice = cfg.tracking.tags.get(f"hydra/{group}")
+    option_file = CONF_DIR / group / f"{choice}.yaml"
+    if not isinstance(node, DictConfig) or choice is None or not option_file.is_file():
+        return node
+    option = OmegaConf.load(option_file)
+    option = OmegaConf.select(option, sub) if sub else option
+    if not isinstance(option, DictConfig) or option.get("_target_") == node.get("_target_"):
+        return node
+    own = OmegaConf.create(OmegaConf.to_container(node, resolve=True))
+    for key in list(own.keys()):
+        if key != "_target_" and key in option and own[key] == option[key]:
+            del own[key]
+    return own
 
 
 def resolve_output_dir(cfg: DictConfig) -> Path:
@@ -346,6 +387,7 @@ def check_writable(path: Path) -> None:
 def privacy_digest(cfg: DictConfig, world_size: int) -> str:
     """A digest of the fields that change the privacy guarantee (see PRIVACY_FIELDS) and the world size."""
     values: dict[str, Any] = {"world_size": world_size}
-    values |= {name: OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, name)}), resolve=True)["v"]
-              for name in PRIVACY_FIELDS}
+    for name in PRIVACY_FIELDS:
+        value = OmegaConf.select(cfg, name)  # a sub-node resolves its interpolations (${data.task}) against the root
+        values[name] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
     return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]

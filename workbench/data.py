@@ -7,10 +7,12 @@ a resumed run draws exactly the batches the uninterrupted run would have drawn.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -72,13 +74,98 @@ class Synthetic(ArrayDataset):
         super().__init__(x, y)
 
 
-def collate(batch):
-    """Default collation, plus the two shapes our sampler produces: an empty draw (None) and a pre-batched tuple."""
-    if isinstance(batch, tuple):
+def collate(batch, collator: Callable | None = None):
+    """Collation for our sampler's draws: an empty draw is None, a pre-batched draw (the dataset's ``__getitems__``
+    returned a tuple or mapping of tensors) passes as it is, a list of examples goes to ``collator`` (``data.collator``,
+    e.g. :class:`PadCollator` for variable-length text), else to torch's default_collate."""
+    if isinstance(batch, (tuple, Mapping)):
         return batch
     if len(batch) == 0:
         return None
-    return default_collate(batch)
+    return (collator or default_collate)(batch)
+
+
+class PadCollator:
+    """Pads a list of examples (mappings of token sequences, HF style) to the longest one in the batch.
+
+    ``labels`` are padded with ``label_pad_id`` (-100: ignored by the token loss), ``attention_mask`` and
+    ``token_type_ids`` with 0, every other sequence with ``pad_token_id``; scalars (a class label) are stacked.
+    """
+
+    def __init__(self, pad_token_id: int = 0, label_pad_id: int = -100, pad_to_multiple_of: int | None = None):
+        self.pad_token_id, self.label_pad_id, self.multiple = pad_token_id, label_pad_id, pad_to_multiple_of
+
+    def _pad_value(self, key: str) -> int:
+        if key == "labels":
+            return self.label_pad_id
+        return 0 if key in ("attention_mask", "token_type_ids") else self.pad_token_id
+
+    def __call__(self, examples: list[Mapping]) -> dict[str, torch.Tensor]:
+        if not all(isinstance(e, Mapping) for e in examples):
+            raise WorkbenchError("data.collator=PadCollator needs examples that are mappings (input_ids, labels, ...)")
+        out = {}
+        for key in examples[0]:
+            values = [torch.as_tensor(e[key]) for e in examples]
+            if values[0].dim() == 0:
+                out[key] = torch.stack(values)
+                continue
+            length = max(len(v) for v in values)
+            if self.multiple:
+                length = -(-length // self.multiple) * self.multiple
+            padded = torch.full((len(values), length), self._pad_value(key), dtype=values[0].dtype)
+            for i, v in enumerate(values):
+                padded[i, :len(v)] = v
+            out[key] = padded
+        return out
+
+
+@dataclass
+class Batch:
+    """One batch as the trainer reads it, whatever the dataset yields: the model's inputs and the labels.
+
+    ``(x, y)`` and ``(x1, ..., xk, y)`` give positional inputs; a mapping (HF style) gives keyword inputs, with
+    ``labels`` (or ``label``) taken out for the loss: ``model(*args, **kwargs)``.
+    """
+
+    args: tuple
+    kwargs: dict[str, Any]
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Batch":
+        def apply(v):
+            return fn(v) if isinstance(v, torch.Tensor) else v
+        return Batch(tuple(apply(a) for a in self.args), {k: apply(v) for k, v in self.kwargs.items()}, fn(self.labels))
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def slice(self, start: int, end: int) -> "Batch":
+        """Examples [start, end) of every input whose first dimension is the batch (others are shared as they are)."""
+        n = len(self)
+        return self._map(lambda t: t[start:end] if t.dim() > 0 and t.shape[0] == n else t)
+
+    def forward(self, model: Callable) -> Any:
+        return model(*self.args, **self.kwargs)
+
+
+def as_batch(raw: Any) -> Batch | None:
+    """A collated batch (None for an empty Poisson draw) in the trainer's one shape."""
+    if raw is None or isinstance(raw, Batch):
+        return raw
+    if isinstance(raw, Mapping):
+        inputs = dict(raw)
+        key = "labels" if "labels" in inputs else "label" if "label" in inputs else None
+        if key is None:
+            raise WorkbenchError(f"a mapping batch needs a 'labels' entry for the loss; it has {sorted(inputs)}")
+        labels = inputs.pop(key)
+        return Batch((), inputs, torch.as_tensor(labels))
+    if isinstance(raw, (tuple, list)) and len(raw) >= 2:
+        return Batch(tuple(raw[:-1]), {}, torch.as_tensor(raw[-1]))
+    raise WorkbenchError(f"a batch must be (x, y), (x1, ..., xk, y) or a mapping with 'labels', not "
+                         f"{type(raw).__name__}{'' if not isinstance(raw, (tuple, list)) else f' of {len(raw)}'}")
 
 
 @dataclass(frozen=True)
@@ -152,8 +239,8 @@ class PoissonBatchSampler:
         return max(0, self.steps - self.start_step)
 
 
-def _loader_kwargs(cfg, device: torch.device) -> dict:
-    kwargs = dict(num_workers=cfg.dataloader_num_workers, collate_fn=collate,
+def _loader_kwargs(cfg, device: torch.device, collator: Callable | None) -> dict:
+    kwargs = dict(num_workers=cfg.dataloader_num_workers, collate_fn=functools.partial(collate, collator=collator),
                   pin_memory=bool(cfg.dataloader_pin_memory and device.type == "cuda"))
     if cfg.dataloader_num_workers > 0:
         kwargs.update(persistent_workers=cfg.dataloader_persistent_workers,
@@ -161,13 +248,15 @@ def _loader_kwargs(cfg, device: torch.device) -> dict:
     return kwargs
 
 
-def train_loader(dataset: Dataset, sampler: PoissonBatchSampler, cfg, device: torch.device) -> DataLoader:
-    return DataLoader(dataset, batch_sampler=sampler, **_loader_kwargs(cfg, device))
+def train_loader(dataset: Dataset, sampler: PoissonBatchSampler, cfg, device: torch.device,
+                 collator: Callable | None = None) -> DataLoader:
+    return DataLoader(dataset, batch_sampler=sampler, **_loader_kwargs(cfg, device, collator))
 
 
-def first_examples(dataset: Dataset, count: int):
+def first_examples(dataset: Dataset, count: int, collator: Callable | None = None):
     """The dataset's first ``count`` examples, collated as the training loader collates: for checks before training."""
-    return next(iter(DataLoader(dataset, batch_sampler=[list(range(min(len(dataset), count)))], collate_fn=collate)))
+    return next(iter(DataLoader(dataset, batch_sampler=[list(range(min(len(dataset), count)))],
+                                collate_fn=functools.partial(collate, collator=collator))))
 
 
 def eval_shard(dataset_size: int, rank: int, world_size: int) -> range:
@@ -175,12 +264,13 @@ def eval_shard(dataset_size: int, rank: int, world_size: int) -> range:
     return range(rank * dataset_size // world_size, (rank + 1) * dataset_size // world_size)
 
 
-def eval_loader(dataset: Dataset, indices: range, cfg, device: torch.device) -> DataLoader:
+def eval_loader(dataset: Dataset, indices: range, cfg, device: torch.device,
+                collator: Callable | None = None) -> DataLoader:
     batches = [list(indices[i:i + cfg.per_device_eval_batch_size])
                for i in range(0, len(indices), cfg.per_device_eval_batch_size)]
     if cfg.dataloader_drop_last and batches and len(batches[-1]) < cfg.per_device_eval_batch_size:
         batches.pop()
-    return DataLoader(dataset, batch_sampler=batches, **_loader_kwargs(cfg, device))
+    return DataLoader(dataset, batch_sampler=batches, **_loader_kwargs(cfg, device, collator))
 
 
 def check_dataset(dataset: Dataset, name: str) -> int:

@@ -26,9 +26,10 @@ FIRST = 8  # examples run through the model and the criterion
 CLASS_CRITERIA = (nn.CrossEntropyLoss, nn.NLLLoss, nn.MultiMarginLoss)  # take (batch, classes) scores, (batch,) labels
 
 
-def check_fit(dataset: Any, name: str, model: nn.Module, criterion: Callable, device: torch.device) -> None:
+def check_fit(dataset: Any, name: str, model: nn.Module, criterion: Callable, device: torch.device,
+              collator: Callable | None = None) -> None:
     """Raise WorkbenchError naming ``name`` (e.g. "data.train (my_pkg.MyData)"), the example index and the fix."""
-    batch = first_examples(dataset, FIRST)
+    batch = first_examples(dataset, FIRST, collator)
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(torch.is_tensor(t) for t in batch)):
         return  # another batch shape (a mapping, several inputs): checked by the trainer's own pre-run check
     x, y = batch

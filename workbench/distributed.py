@@ -215,13 +215,31 @@ class Dist:
             dist.barrier()
 
 
+def pad_concat(chunks: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
+    """Tensors in order along dim 0 (``empty`` when there are none); chunks padded to different lengths (text batches)
+    are padded to the longest with -100, as Hugging Face does. Empty chunks (a rank or batch with no examples) carry no
+    shape to agree with and are left out."""
+    chunks = [c for c in chunks if c.shape[0] > 0]
+    if not chunks:
+        return empty
+    shape = [max(sizes) for sizes in zip(*(c.shape[1:] for c in chunks))]
+    if all(list(c.shape[1:]) == shape for c in chunks):
+        return torch.cat(chunks)
+    out = torch.full((sum(len(c) for c in chunks), *shape), -100, dtype=chunks[0].dtype)
+    start = 0
+    for c in chunks:
+        out[(slice(start, start + len(c)), *(slice(0, k) for k in c.shape[1:]))] = c
+        start += len(c)
+    return out
+
+
 def concat_parts(parts: list[Any]) -> Any:
     """Concatenate per-rank payloads: tensors and arrays along dim 0, lists by extension, dicts key-wise."""
     import numpy as np
 
     first = next((p for p in parts if p is not None), None)
     if isinstance(first, torch.Tensor):
-        return torch.cat([p for p in parts if p is not None and p.shape[0] > 0] or [first])
+        return pad_concat([p for p in parts if p is not None], first)
     if isinstance(first, np.ndarray):
         return np.concatenate([p for p in parts if p is not None])
     if isinstance(first, dict):

@@ -35,14 +35,11 @@ def hydra_context(cfg: DictConfig) -> None:
         hc = HydraConfig.get()
     except ValueError:
         return
-    # Tag keys avoid dots (OmegaConf reads them as paths): "hydra/data" = the data group's choice.
-    tags = {f"hydra/{k}": v for k, v in hc.runtime.choices.items() if v is not None and not k.startswith("hydra/")}
+    config.record_choices(cfg, hc.runtime.choices)  # "hydra/data" = the data group's choice
     overrides = [o for o in hc.overrides.task if not o.startswith(("hydra.", "hydra/"))]
     if overrides:
-        tags["overrides"] = scrub(" ".join(overrides))
-    with open_dict(cfg):
-        for k, v in tags.items():
-            cfg.tracking.tags.setdefault(k, str(v))
+        with open_dict(cfg):
+            cfg.tracking.tags.setdefault("overrides", scrub(" ".join(overrides)))
     if hc.mode == RunMode.MULTIRUN and cfg.tracking.sweep_dir is None:
         cfg.tracking.sweep_dir = str(Path(hc.sweep.dir).resolve())
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
 from torch import nn
+
+from workbench.errors import WorkbenchError
 
 
 class MLP(nn.Module):
@@ -37,6 +40,107 @@ class SmallCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+class TransformerClassifier(nn.Module):
+    """A small ``nn.TransformerEncoder`` over a (B, tokens * features) input read as a sequence (digits: 8 rows of 8
+    pixels). Its nn.MultiheadAttention is swapped for Opacus' DPMultiheadAttention by ``privacy.fix_model``."""
+
+    def __init__(self, tokens: int = 8, features: int = 8, width: int = 32, heads: int = 2, layers: int = 1,
+                 num_classes: int = 10):
+        super().__init__()
+        self.tokens = tokens
+        self.embed = nn.Linear(features, width)
+        self.position = nn.Parameter(torch.zeros(tokens, width))  # used once per example: per-sample exact
+        layer = nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x.reshape(len(x), self.tokens, -1))
+        return self.head(self.encoder(h + self.position).mean(1))
+
+
+class LSTMClassifier(nn.Module):
+    """An ``nn.LSTM`` over a (B, tokens * features) input read as a sequence; ``privacy.fix_model`` swaps in DPLSTM."""
+
+    def __init__(self, tokens: int = 8, features: int = 8, hidden: int = 32, num_classes: int = 10):
+        super().__init__()
+        self.tokens = tokens
+        self.lstm = nn.LSTM(features, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x.reshape(len(x), self.tokens, -1))
+        return self.head(out[:, -1])
+
+
+def prepare_model(model: nn.Module, private: bool, fix: bool = True) -> tuple[nn.Module, list[str]]:
+    """The model DP-SGD will train, and what was replaced to get it.
+
+    Layers whose per-sample gradients Opacus cannot compute are swapped for their DP equivalents when ``fix``
+    (Opacus' ``ModuleValidator.fix``: MultiheadAttention -> DPMultiheadAttention, LSTM/GRU/RNN -> DPLSTM/DPGRU/DPRNN
+    with their weights, BatchNorm -> GroupNorm, freshly initialised since no weights make them equal); without ``fix``,
+    or when a layer has no replacement, the model is refused in one line.
+    """
+    if isinstance(model, nn.DataParallel):
+        raise WorkbenchError("torch.nn.DataParallel is refused: use launcher=local (one process per device) instead")
+    if not private:
+        return model, []
+    from workbench.clipping import book_keeping
+
+    layers = book_keeping.trainable_layers(model)
+    if layers and book_keeping.refusal(layers) is None:
+        return model, []  # bk has a rule for every trainable layer; each mode's pre-run check refuses what mixes examples
+    was_training = model.training
+    model.train()  # the mode it trains in (Opacus refuses a model in eval mode); handed back as it came
+    try:
+        return _fix(model, fix)
+    finally:
+        model.train(was_training)
+
+
+def _fix(model: nn.Module, fix: bool) -> tuple[nn.Module, list[str]]:
+    from opacus.validators import ModuleValidator
+
+    errors = ModuleValidator.validate(model, strict=False)
+    if errors and fix:
+        before = {name: type(m).__name__ for name, m in model.named_modules()}
+        model = ModuleValidator.fix(model)
+        replaced = [(name, before[name], m) for name, m in model.named_modules()
+                    if name in before and before[name] != type(m).__name__]
+        for _, _, m in replaced:
+            _batch_first_attention_fix(m)
+        outer = [name for name, _, _ in replaced]  # a replaced layer's own sub-layers are not news
+        replaced = [r for r in replaced if not any(r[0].startswith(f"{o}.") for o in outer if o)]
+        errors = ModuleValidator.validate(model, strict=False)
+        notes = [f"{name or 'model'}: {old} -> {type(m).__name__}"
+                 + (" (re-initialised)" if "Norm" in old else " (weights carried)") for name, old, m in replaced]
+        if not errors:
+            return model, notes
+    if errors:
+        first = str(errors[0]).splitlines()[0]
+        hint = " (privacy.fix_model=true replaces it with a DP equivalent)" if not fix else ""
+        raise WorkbenchError(f"the model has {len(errors)} layer(s) DP-SGD cannot handle: {first}{hint}")
+    return model, []
+
+
+def _reorder_heads(num_heads: int, module: nn.Module, args: tuple) -> tuple:
+    """(batch * heads, T, head_dim) laid out as (batch, T, embed): put each position's heads back together."""
+    (x,) = args
+    b, t, e = x.shape
+    return (x.reshape(b, num_heads, t, e // num_heads).transpose(1, 2).reshape(b, t, e),)
+
+
+def _batch_first_attention_fix(module: nn.Module) -> None:
+    """Opacus 1.6's DPMultiheadAttention with batch_first=True reshapes its heads' output into (batch, T, embed)
+    without transposing, mixing positions within each example (not across examples): its output differs from
+    nn.MultiheadAttention's with the same weights. A pre-hook on its out_proj restores the right layout; the
+    per-sample gradient hooks see the corrected input."""
+    from opacus.layers import DPMultiheadAttention
+
+    if isinstance(module, DPMultiheadAttention) and module.batch_first:
+        module.out_proj.register_forward_pre_hook(functools.partial(_reorder_heads, module.num_heads))
 
 
 class TinyTransformer(nn.Module):

@@ -18,14 +18,14 @@ from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from workbench import cache, checkpoint, config, data, data_checks, distributed, privacy
+from workbench import cache, checkpoint, config, data, data_checks, distributed, hf, privacy
 from workbench import callbacks as callbacks_
 from workbench.audit import AuditResult
 from workbench.canaries import CanaryAudit
 from workbench.errors import WorkbenchError
 from workbench.interrupt import Interrupted, ignore_further, signals_interrupt
+from workbench.models import prepare_model
 from workbench.tracking import end_if_abandoned, git_sha, make_tracker, ui_command
-from workbench.clipping import check_model
 from workbench.trainer import Evaluator, GradientStep, History, Trainer, lr_lambda
 
 log = logging.getLogger("workbench")
@@ -118,6 +118,8 @@ def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | 
         job = _build(cfg, d, compute_metrics, callbacks or [])
         tags = {"backend": d.backend, "ddp_shard": cfg.ddp_shard, "world_size": d.world_size, "git_sha": git_sha(),
                 "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags}
+        if job["fixed_modules"]:
+            tags["fixed_modules"] = "; ".join(job["fixed_modules"])
         tracker.start({**tags, "status": "running"}, run_id=job["resume_run_id"] or cfg.tracking.run_id,
                       sweep_dir=cfg.tracking.sweep_dir)
         if job["accountant"] is not None:  # what a sweep composes, known even if the run fails before its summary
@@ -169,10 +171,17 @@ def _sweep_point_ended(sweep_dir: str) -> None:
         log.warning("could not summarise the sweep in %s: %s", sweep_dir, e)
 
 
+def _autocast_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype | None:
+    if cfg.fp16 and device.type != "cuda":
+        raise WorkbenchError(f"fp16=true needs CUDA (this job runs on {device.type}); use bf16=true")
+    return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else None
+
+
 def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None, extra_callbacks: list) -> dict[str, Any]:
     """Everything that can be refused is built here, before an MLflow run exists."""
     torch.manual_seed(cfg.seed)
-    train_set = user_train_set = _instantiate(cfg.data.train, "data.train")
+    autocast_dtype = _autocast_dtype(cfg, d.device)
+    train_set = user_train_set = _instantiate(config.own_arguments(cfg, "data.train"), "data.train")
     canaries = None
     if cfg.audit.enabled:  # the canary slots join the population: N and q count them whatever their membership
         if cfg.resume_from_checkpoint:
@@ -181,7 +190,9 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
         train_set = canaries.dataset
     user_callbacks = [*(_instantiate(c, "callbacks") for c in cfg.callbacks), *extra_callbacks]
     callbacks_.check(user_callbacks)
-    eval_set = _instantiate(cfg.data.eval, "data.eval") if cfg.data.get("eval") is not None else None
+    eval_set = _instantiate(config.own_arguments(cfg, "data.eval"), "data.eval") if cfg.data.get("eval") is not None else None
+    collator = _instantiate(config.own_arguments(cfg, "data.collator"), "data.collator") \
+        if cfg.data.get("collator") is not None else None
     n = data.check_dataset(train_set, "training")
     if eval_set is not None:
         data.check_dataset(eval_set, "eval")
@@ -195,10 +206,15 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
         raise WorkbenchError(f"num_train_epochs={cfg.num_train_epochs} makes {total_steps} steps, more than "
                              f"{config.STEPS_MAX}; lower it or set max_steps")
 
-    model = _instantiate(cfg.model, "model")
+    model = _instantiate(config.own_arguments(cfg, "model"), "model")
     if not isinstance(model, nn.Module):
         raise WorkbenchError(f"model._target_ built a {type(model).__name__}, not a torch.nn.Module")
-    check_model(model, cfg.privacy.enabled)
+    if cfg.get("peft") is not None:  # adapters (LoRA): only they train, so only they are clipped and noised
+        model = _instantiate(cfg.peft, "peft", _partial_=True)(model)
+    model, fixed = prepare_model(model, cfg.privacy.enabled, cfg.privacy.fix_model)
+    if d.is_main:
+        for note in fixed:
+            print(f"privacy.fix_model: {note}", flush=True)
     model.to(d.device)
     if d.distributed:  # identical start on every rank whatever the model's own RNG use
         for t in model.state_dict().values():
@@ -209,7 +225,7 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
     for split, dataset in (("train", user_train_set), ("eval", eval_set)):  # the user's data, before any canaries
         if dataset is not None:
             data_checks.check_fit(dataset, f"data.{split} ({cfg.data[split].get('_target_', 'no _target_')})", model,
-                                  criterion, d.device)
+                                  criterion, d.device, collator)
 
     p = cfg.privacy
     accountant = delta = None
@@ -242,9 +258,9 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
     trained, trained_criterion = canaries.wrap(model, criterion, p.max_grad_norm) if canaries else (model, criterion)
     step_fn = GradientStep(trained, trained_criterion, d, max_grad_norm=p.max_grad_norm if p.enabled else None,
                            noise_multiplier=sigma, grad_sample_mode=p.grad_sample_mode,
-                           max_physical_batch_size=cfg.max_physical_batch_size)
+                           max_physical_batch_size=cfg.max_physical_batch_size, autocast_dtype=autocast_dtype)
     # The same examples on every rank: a refusal is raised everywhere alike, before any run exists.
-    step_fn.check(data.first_examples(train_set, 8))
+    step_fn.check(data.first_examples(train_set, 8, collator))
     optimizer = make_optimizer(step_fn.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_scheduler_type, cfg.warmup_steps, total_steps))
 
@@ -262,7 +278,7 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
             if state.get("privacy_digest") != digest:
                 raise WorkbenchError(f"checkpoint {str(path)!r} was written under a different privacy config "
                                      "(batch, steps, seed, shard, world size, noise, clipping or data differ); refusing to resume")
-            model.load_state_dict(state["model"])
+            hf.load_model_state(model, state["model"])
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             if accountant is not None:
@@ -282,12 +298,14 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
     job_callbacks = callbacks_.CallbackList(user_callbacks, model, named, total_steps)
     eval_loader = None
     if eval_set is not None:
-        eval_loader = data.eval_loader(eval_set, data.eval_shard(len(eval_set), d.rank, d.world_size), cfg, d.device)
+        eval_loader = data.eval_loader(eval_set, data.eval_shard(len(eval_set), d.rank, d.world_size), cfg, d.device,
+                                       collator)
     return dict(model=model, criterion=criterion, shard=shard, step_fn=step_fn, optimizer=optimizer,
                 scheduler=scheduler, accountant=accountant, secret=secret, delta=delta, sigma=sigma, total_steps=total_steps,
                 expected_batch=expected_batch, start_step=start_step, resume_run_id=resume_run_id, digest=digest,
-                loader=data.train_loader(train_set, sampler, cfg, d.device), eval_loader=eval_loader,
-                metrics_fn=metrics_fn, canaries=canaries, callbacks=job_callbacks)
+                loader=data.train_loader(train_set, sampler, cfg, d.device, collator), eval_loader=eval_loader,
+                metrics_fn=metrics_fn, canaries=canaries, callbacks=job_callbacks, fixed_modules=fixed,
+                autocast_dtype=autocast_dtype)
 
 
 def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str | None, output_dir: Path) -> TrainResult:
@@ -296,7 +314,7 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
 
     def state(step: int) -> dict:
         optimizer = job["optimizer"].state_dict()
-        return {"model": model.state_dict(), "optimizer": canaries.without_canaries(optimizer) if canaries else optimizer,
+        return {"model": hf.model_state(model), "optimizer": canaries.without_canaries(optimizer) if canaries else optimizer,
                 "scheduler": job["scheduler"].state_dict(), "step": step, "run_id": run_id,
                 "privacy_digest": job["digest"], "world_size": d.world_size, "secret": job["secret"],
                 "accountant": accountant.state_dict() if accountant is not None else None}
@@ -310,7 +328,7 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
     evaluator = None
     if job["eval_loader"] is not None:
         evaluator = Evaluator(model, job["criterion"], job["eval_loader"], d, job["metrics_fn"],
-                              cfg.eval_use_gather_object, cfg.batch_eval_metrics)
+                              cfg.eval_use_gather_object, cfg.batch_eval_metrics, job["autocast_dtype"])
     trainer = Trainer(cfg, d, model, job["step_fn"], job["optimizer"], job["scheduler"], job["loader"],
                       evaluator or (lambda: {}), accountant, delta, tracker, job["expected_batch"],
                       job["shard"].population, job["total_steps"], job["start_step"], save, job["callbacks"])
@@ -339,6 +357,11 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
                 published = Path(tmp) / last_saved[0].name
                 torch.save({k: v for k, v in state(steps).items() if k not in PRIVATE_STATE}, published)
                 tracker.log_artifact(published, "checkpoints")
+        if hf.is_adapter(model):  # the adapter in peft's own format: PeftModel.from_pretrained(base, folder)
+            with tempfile.TemporaryDirectory() as tmp:
+                model.save_pretrained(tmp)
+                for f in sorted(Path(tmp).iterdir()):
+                    tracker.log_artifact(f, "adapter")
         if trainer.history.steps:
             from workbench.plots import training_curves
 

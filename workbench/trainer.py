@@ -17,13 +17,16 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import contextlib
+
 import torch
 from torch import nn
 
 from workbench import clipping
-from workbench.data import step_generator
-from workbench.distributed import Dist
+from workbench.data import Batch, as_batch, step_generator
+from workbench.distributed import Dist, pad_concat
 from workbench.errors import TrainingStopped, WorkbenchError
+from workbench.losses import logits_of
 from workbench.privacy import EpsilonSchedule
 
 log = logging.getLogger(__name__)
@@ -40,8 +43,8 @@ class GradientStep:
 
     def __init__(self, model: nn.Module, criterion: nn.Module, dist: Dist, *, max_grad_norm: float | None,
                  noise_multiplier: float, grad_sample_mode: str = "hooks", max_physical_batch_size: int = 512,
-                 noise_seed: int = 0):
-        self.dist, self.criterion = dist, criterion
+                 noise_seed: int = 0, autocast_dtype: torch.dtype | None = None):
+        self.dist, self.criterion, self.autocast_dtype = dist, criterion, autocast_dtype
         self.clip, self.sigma, self.mode = max_grad_norm, noise_multiplier, grad_sample_mode
         self.max_physical_batch_size, self.noise_seed = max_physical_batch_size, noise_seed
         self.private = max_grad_norm is not None
@@ -55,6 +58,9 @@ class GradientStep:
             self.mode = clipping.fastest_grad_sample_mode(model)
         self.clipper = clipping.make(model, self.params, max_grad_norm=max_grad_norm, mode=self.mode)
         self.module = self.clipper.module
+        if self.private and autocast_dtype is not None and self.mode in ("ghost", "ew"):
+            raise WorkbenchError(f"grad_sample_mode={self.mode} cannot run in mixed precision: its clipped sum is not "
+                                 "computed from the per-sample gradients its norms were; use bk or hooks")
         numel = sum(p.numel() for p in self.params)
         device = self.params[0].device
         # Gradient sum, then [loss sum, example count]: the step's one collective carries all three.
@@ -69,25 +75,39 @@ class GradientStep:
 
     def check(self, batch: Any) -> None:
         """Before any training, on a real batch: the criterion gives one loss per example, and the strategy's
-        assumptions about the model hold (book-keeping's cannot all be read off the layers)."""
-        self.clipper.check(self._to_device(batch), self._losses)
+        assumptions about the model hold (book-keeping's cannot all be read off the layers). Run in the parameters'
+        precision: the checks compare against autograd there."""
+        self.clipper.check(self._to_device(batch), self._precise_losses)
 
-    def _losses(self, module: nn.Module, batch: Any) -> torch.Tensor:
+    def _forward(self, module: nn.Module, batch: Batch) -> Any:
+        # Opacus' ew wrapper reads the batch size off a positional input (the pre-run check also calls the bare model)
+        if self.private and self.mode == "ew" and module is self.module:
+            from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+
+            module = call_for_per_sample_grads(module._module, batch_size=len(batch), loss_reduction="sum")
+        return batch.forward(module)
+
+    def _precise_losses(self, module: nn.Module, batch: Batch) -> torch.Tensor:
         """The loss function the clipping strategies call: forward ``module`` on the micro-batch, one loss per example."""
-        x, y = batch
-        losses = self.criterion(module(x), y)
-        if losses.dim() != 1 or len(losses) != len(y):
+        losses = self.criterion(logits_of(self._forward(module, batch)), batch.labels)
+        if losses.dim() != 1 or len(losses) != len(batch):
             raise WorkbenchError(f"the criterion must return one loss per example (reduction='none'), not shape "
-                                 f"{tuple(losses.shape)} for a batch of {len(y)}")
-        return losses
+                                 f"{tuple(losses.shape)} for a batch of {len(batch)}")
+        return losses.float()
 
-    def _to_device(self, batch: Any) -> Any:
-        return batch[0].to(self.flat.device, non_blocking=True), batch[1].to(self.flat.device, non_blocking=True)
+    def _losses(self, module: nn.Module, batch: Batch) -> torch.Tensor:
+        """As _precise_losses, under autocast with bf16/fp16: norms and clipping stay float32 (clipping/)."""
+        if self.autocast_dtype is None:
+            return self._precise_losses(module, batch)
+        with torch.autocast(self.flat.device.type, dtype=self.autocast_dtype):
+            return self._precise_losses(module, batch)
 
-    def _micro_batches(self, batch: Any):
-        x, y = batch
-        for start in range(0, len(y), self.max_physical_batch_size):
-            yield x[start:start + self.max_physical_batch_size], y[start:start + self.max_physical_batch_size]
+    def _to_device(self, batch: Any) -> Batch:
+        return as_batch(batch).to(self.flat.device, non_blocking=True)
+
+    def _micro_batches(self, batch: Batch):
+        for start in range(0, len(batch), self.max_physical_batch_size):
+            yield batch.slice(start, start + self.max_physical_batch_size)
 
     def __call__(self, batch: Any, step: int) -> tuple[float, float]:
         """Fill each parameter's .grad with the noised clipped sum; return the cluster-wide (loss sum, example count)."""
@@ -96,6 +116,8 @@ class GradientStep:
             p.grad = None
         if batch is not None:  # 1-2: per-sample gradients, clipped and summed into the flat buffer
             for micro_batch in self._micro_batches(self._to_device(batch)):
+                if getattr(self.clipper, "checked", True) is False:  # normally check() ran before training
+                    self.clipper.check(micro_batch, self._precise_losses)
                 losses = self.clipper.accumulate(micro_batch, self._losses, self.view_of)
                 self.loss_sum.add_(losses.sum())
                 self.count.add_(len(losses))
@@ -310,15 +332,23 @@ class Evaluator:
     """Cluster-wide eval: each rank predicts its contiguous shard, ranks gather in order, metrics see the whole set."""
 
     def __init__(self, model: nn.Module, criterion: nn.Module, loader, dist: Dist,
-                 compute_metrics: Callable | None, use_gather_object: bool = False, batch_eval_metrics: bool = False):
+                 compute_metrics: Callable | None, use_gather_object: bool = False, batch_eval_metrics: bool = False,
+                 autocast_dtype: torch.dtype | None = None):
         self.model, self.criterion, self.loader, self.dist = model, criterion, loader, dist
         self.compute_metrics, self.force_object, self.batched = compute_metrics, use_gather_object, batch_eval_metrics
+        self.autocast_dtype = autocast_dtype
 
     def _gather(self, predictions, labels):
         from workbench.metrics import EvalPrediction
 
         return EvalPrediction(self.dist.gather_payload(predictions, self.force_object),
                               self.dist.gather_payload(labels, self.force_object))
+
+    def _predict(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, per-example losses), both float32."""
+        with torch.autocast(self.dist.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            out = logits_of(batch.forward(self.model))
+            return out.float(), self.criterion(out, batch.labels).float()
 
     @torch.no_grad()
     def __call__(self) -> dict[str, float]:
@@ -329,27 +359,29 @@ class Evaluator:
         batches = iter(self.loader)  # streamed: the eval set is never held twice
         n_batches = max(self.dist.all_gather_object(len(self.loader))) if self.batched else len(self.loader)
         for i in range(n_batches):
-            batch = next(batches, None)
-            if batch is not None:
-                x, y = batch[0].to(self.dist.device), batch[1].to(self.dist.device)
-                out = self.model(x)
-                totals[0] += self.criterion(out, y).sum()
-                totals[1] += len(y)
-                out, y = out.cpu(), y.cpu()
+            batch = as_batch(next(batches, None))
+            if batch is not None and len(batch):
+                batch = batch.to(self.dist.device, non_blocking=True)
+                out, losses = self._predict(batch)
+                totals[0] += losses.sum()
+                totals[1] += len(batch)
+                out, y = out.cpu(), batch.labels.cpu()
             else:  # this rank's shard has fewer eval batches: it joins the gather with an empty payload
                 out, y = torch.empty(0), torch.empty(0, dtype=torch.long)
+            if self.compute_metrics is None:
+                continue
             if self.batched:
-                if self.compute_metrics is not None:
-                    metrics = self.compute_metrics(self._gather(out, y), compute_result=i == n_batches - 1)
-            else:
+                metrics = self.compute_metrics(self._gather(out, y), compute_result=i == n_batches - 1)
+            elif len(y):
                 predictions.append(out)
                 labels.append(y)
         if not self.batched and self.compute_metrics is not None:
-            pred = self._gather(torch.cat(predictions) if predictions else torch.empty(0),
-                                torch.cat(labels) if labels else torch.empty(0, dtype=torch.long))
-            metrics = self.compute_metrics(pred)
+            metrics = self.compute_metrics(self._gather(pad_concat(predictions, torch.empty(0)),
+                                                        pad_concat(labels, torch.empty(0, dtype=torch.long))))
         self.dist.all_reduce_(totals)
         self.model.train(was_training)
         out = {f"eval_{k}": float(v) for k, v in (metrics or {}).items()}
         out["eval_loss"] = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+        if getattr(self.criterion, "reports_perplexity", False):
+            out["eval_perplexity"] = math.exp(min(out["eval_loss"], 700.0))
         return out

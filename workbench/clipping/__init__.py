@@ -13,32 +13,12 @@ from torch import nn
 
 from workbench.clipping import book_keeping
 from workbench.clipping.base import LossFn
-from workbench.errors import WorkbenchError
 
-__all__ = ["LossFn", "check_model", "fastest_grad_sample_mode", "make"]
+__all__ = ["LossFn", "fastest_grad_sample_mode", "make"]
 
 # Layers torch's expanded weights (grad_sample_mode=ew) computes per-sample gradients for.
 _EW_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.GroupNorm, nn.LayerNorm,
               nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
-
-
-def check_model(model: nn.Module, private: bool) -> None:
-    """Refuse models DP-SGD (or one-process-per-device training) cannot handle, with a one-line fix."""
-    if isinstance(model, nn.DataParallel):
-        raise WorkbenchError("torch.nn.DataParallel is refused: use launcher=local (one process per device) instead")
-    if not private:
-        return
-    layers = book_keeping.trainable_layers(model)
-    if layers and book_keeping.refusal(layers) is None:
-        return  # bk has a rule for every trainable layer; each mode's pre-run check refuses layers that mix examples
-    from opacus.validators import ModuleValidator
-
-    errors = ModuleValidator.validate(model, strict=False)
-    if errors:
-        first = str(errors[0]).splitlines()[0]
-        hint = " (e.g. BatchNorm -> GroupNorm: opacus.validators.ModuleValidator.fix(model) does it)" \
-            if any("BatchNorm" in str(e) for e in errors) else ""
-        raise WorkbenchError(f"the model has {len(errors)} layer(s) DP-SGD cannot handle: {first}{hint}")
 
 
 def fastest_grad_sample_mode(model: nn.Module) -> str:

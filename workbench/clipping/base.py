@@ -42,12 +42,12 @@ class Strategy:
 
 
 def require_own(k: int, name: str, mode: str, got: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor,
-                tolerance: float) -> None:
+                tolerance: float, floor: float = 0.0) -> None:
     """The pre-run check's verdict on one parameter: example k's row ``got`` must equal autograd's gradient ``ref``
     of example k's loss alone, up to rounding. Rounding grows with the terms summed (``magnitude``: the same sum over
     |terms|), not with their possibly cancelling sum; in half precision small entries underflow, hence the floor at
-    the parameter's largest term."""
-    bound = tolerance * (ref.abs() + magnitude + float(magnitude.max()) * tolerance) + 1e-12
+    the parameter's largest term. ``floor``: rounding noise allowed everywhere (for a check that cannot see the terms)."""
+    bound = tolerance * (ref.abs() + magnitude + float(magnitude.max()) * tolerance) + floor + 1e-12
     if not bool(((got - ref).abs() <= bound).all()):
         raise WorkbenchError(
             f"grad_sample_mode={mode}: example {k}'s gradient of {name!r} is not its own: the model mixes examples "

@@ -8,7 +8,9 @@ Each rule offers
   ``add_clipped(m, state, f, view_of)`` sum_i f_i grad_i into each trainable parameter's buffer view;
   ``sample(m, calls, k, absolute)``     example k's own gradient per parameter name (``absolute``: the same sum over
                                         |terms|, the check's rounding scale).
-Only parameters with ``requires_grad`` are clipped (a frozen bias or base weight is skipped).
+Only parameters with ``requires_grad`` are clipped (a frozen bias or base weight is skipped). Rules work in float32 at
+least: under bf16/fp16 autocast a and g arrive in half precision, and norms, clip factors and the clipped sum must not
+round there; the sum is cast to the buffer's dtype only when added.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ def trainable(m: nn.Module) -> list[str]:
 
 def _norm_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
+
+
+def _precise(t: torch.Tensor) -> torch.Tensor:
+    """A layer input or output gradient in float32 at least (no-op in float32/64; integer ids kept)."""
+    return t.to(_norm_dtype(t)) if t.is_floating_point() else t
 
 
 def _squares(t: torch.Tensor) -> torch.Tensor:
@@ -73,15 +80,14 @@ class LinearRule:
     @staticmethod
     def prepare(m, calls: Calls, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if len(calls) == 1 and calls[0][0].dim() == 2:
-            return calls[0]
-        return tuple(_cat([t.reshape(n, -1, t.shape[-1]) for t in ts], 1) for ts in zip(*calls))
+            return tuple(_precise(t) for t in calls[0])
+        return tuple(_cat([_precise(t).reshape(n, -1, t.shape[-1]) for t in ts], 1) for ts in zip(*calls))
 
     def norms2(self, m, state, n):
         a, g = state
         names = trainable(m)
         dtype = _norm_dtype(g)
         if a.dim() == 2:
-            a, g = a.to(dtype), g.to(dtype)  # no-ops in float32/64
             gg = torch.linalg.vecdot(g, g)
             out = torch.linalg.vecdot(a, a).mul_(gg) if "weight" in names else torch.zeros_like(gg)
             return out.add_(gg) if "bias" in names else out
@@ -94,11 +100,12 @@ class LinearRule:
 
     def add_clipped(self, m, state, factor, view_of):
         a, g = state
-        # out of place: autograd may hand the same gradient tensor to two layers (z = a(x) + b(x))
-        scaled = (g * factor.view(-1, *[1] * (g.dim() - 1))).to(g.dtype).reshape(-1, g.shape[-1])
         names = trainable(m)
+        dtype = view_of[id(getattr(m, names[0]))].dtype
+        # out of place: autograd may hand the same gradient tensor to two layers (z = a(x) + b(x))
+        scaled = (g * factor.view(-1, *[1] * (g.dim() - 1))).to(dtype).reshape(-1, g.shape[-1])
         if "weight" in names:
-            view_of[id(m.weight)].addmm_(scaled.t(), a.reshape(-1, a.shape[-1]))
+            view_of[id(m.weight)].addmm_(scaled.t(), a.reshape(-1, a.shape[-1]).to(dtype))
         if "bias" in names:
             view_of[id(m.bias)].add_(scaled.sum(0))
 
@@ -117,7 +124,7 @@ class EmbeddingRule:
     @staticmethod
     def prepare(m, calls: Calls, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = _cat([a.reshape(n, -1) for a, _ in calls], 1)
-        g = _cat([g.reshape(n, -1, g.shape[-1]) for _, g in calls], 1)
+        g = _cat([_precise(g).reshape(n, -1, g.shape[-1]) for _, g in calls], 1)
         if m.padding_idx is not None:  # the padding row gets no gradient
             g = g * (idx != m.padding_idx).unsqueeze(-1).to(g.dtype)
         return idx, g
@@ -133,7 +140,7 @@ class EmbeddingRule:
 
     def add_clipped(self, m, state, factor, view_of):
         idx, g = state
-        scaled = (g * factor.view(-1, 1, 1)).to(g.dtype)
+        scaled = (g * factor.view(-1, 1, 1)).to(view_of[id(m.weight)].dtype)
         view_of[id(m.weight)].index_add_(0, idx.flatten(), scaled.reshape(-1, g.shape[-1]))
 
     def sample(self, m, calls, k, absolute=False):
@@ -163,7 +170,7 @@ class ConvRule:
         return a, tuple(m.padding)
 
     def prepare(self, m, calls, n):
-        return [(*self._padded(m, a), g) for a, g in calls]
+        return [(*self._padded(m, _precise(a)), _precise(g)) for a, g in calls]
 
     @staticmethod
     def _weight_grad(m, x, padding, g) -> torch.Tensor:
@@ -214,10 +221,11 @@ class ConvRule:
 
     def add_clipped(self, m, state, factor, view_of):
         names = trainable(m)
+        dtype = view_of[id(getattr(m, names[0]))].dtype
         for x, padding, g in state:
-            scaled = (g * factor.view(-1, *[1] * (g.dim() - 1))).to(g.dtype)
+            scaled = (g * factor.view(-1, *[1] * (g.dim() - 1))).to(dtype)
             if "weight" in names:
-                view_of[id(m.weight)].add_(self._weight_grad(m, x, padding, scaled))
+                view_of[id(m.weight)].add_(self._weight_grad(m, x.to(dtype), padding, scaled))
             if "bias" in names:
                 view_of[id(m.bias)].add_(scaled.flatten(2).sum((0, 2)))
 

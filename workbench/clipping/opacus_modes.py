@@ -22,6 +22,7 @@ class _Checked(Strategy):
 
     params: list[nn.Parameter]
     mode: str
+    checked = False  # GradientStep checks the first micro-batch itself when check() did not run before training
 
     def _rows(self, n: int) -> dict[int, torch.Tensor]:
         """Per parameter id, what the mode computed per example after a backward of the summed losses."""
@@ -57,21 +58,29 @@ class _Checked(Strategy):
                 p.grad_sample = p.grad = None
                 p._norm_sample = None
         names = {id(p): n for n, p in self.module._module.named_parameters()}
+        for p in self.params:  # Opacus sums, without a word, over a batch its layer's input does not have
+            if id(p) in rows and len(rows[id(p)]) != len(own):
+                raise WorkbenchError(
+                    f"grad_sample_mode={self.mode}: parameter {names[id(p)]!r} has no per-example gradient (rows for "
+                    f"{len(rows[id(p)])} examples in a batch of {len(own)}: its layer's input does not keep the batch "
+                    "as dim 0, e.g. position embeddings looked up with ids of shape (1, T)): freeze it, or feed it "
+                    "per-example inputs")
         tolerance = check_tolerance(self.params[0].dtype)
         exact = torch.promote_types(self.params[0].dtype, torch.float32)
         for k, grads in enumerate(own):
+            refs = []
             for p, ref in zip(self.params, grads):
                 ref = torch.zeros(p.shape, device=p.device, dtype=exact) if ref is None else ref.to(exact)
                 if ref.is_sparse:
                     ref = ref.to_dense()
-                if self.mode == "ghost":
-                    ref = torch.linalg.vector_norm(ref)
-                if id(p) in rows and len(rows[id(p)]) != len(own):
-                    raise WorkbenchError(f"grad_sample_mode={self.mode}: {names[id(p)]!r} got per-sample gradients for "
-                                         f"{len(rows[id(p)])} examples in a batch of {len(own)}: a layer's input does "
-                                         "not keep the batch as dim 0")
+                refs.append(torch.linalg.vector_norm(ref) if self.mode == "ghost" else ref)
+            # Without the terms, a gradient that is zero in exact arithmetic (attention's key bias: softmax ignores a
+            # shift shared by every key) is rounding noise at the scale of the example's whole gradient, not its own.
+            floor = 16 * torch.finfo(self.params[0].dtype).eps * max(float(r.abs().max()) for r in refs)
+            for p, ref in zip(self.params, refs):
                 got = rows[id(p)][k].to(exact) if id(p) in rows else torch.zeros_like(ref)
-                require_own(k, names[id(p)], self.mode, got, ref, ref.abs(), tolerance)
+                require_own(k, names[id(p)], self.mode, got, ref, ref.abs(), tolerance, floor)
+        self.checked = len(own) > 1  # one example cannot show mixing: the first larger batch is checked too
 
 
 class PerSampleGradients(_Checked):
@@ -93,7 +102,9 @@ class PerSampleGradients(_Checked):
         n = len(losses)
         losses.sum().backward()
         # None: a parameter unused in this forward; its clipped gradient is zero.
-        flat_samples = [(view_of[id(p)], p.grad_sample.reshape(n, -1)) for p in self.params
+        # Norms, factors and the sum in the parameters' dtype (float32), from the very values summed, whatever
+        # precision the backward ran in (bf16/fp16 autocast).
+        flat_samples = [(view_of[id(p)], p.grad_sample.reshape(n, -1).to(view_of[id(p)].dtype)) for p in self.params
                         if p.grad_sample is not None]
         norms = torch.zeros(n, device=losses.device)
         if flat_samples:  # vector_norm and addmv_: no full-size temporaries of the per-sample gradients
@@ -101,7 +112,7 @@ class PerSampleGradients(_Checked):
                 torch.stack([torch.linalg.vector_norm(gs, dim=1) for _, gs in flat_samples], dim=1), dim=1)
         factor = clip_factors(norms, self.clip)
         for view, gs in flat_samples:
-            view.view(-1).addmv_(gs.t(), factor)
+            view.view(-1).addmv_(gs.t(), factor.to(gs.dtype))
         for p in self.params:
             p.grad_sample = None
             p.grad = None

@@ -1,0 +1,343 @@
+"""Real workloads through the same trainer: batch shapes, model outputs, token losses, module fixing, mixed precision,
+a user's own model and data in one override. Every path is checked against a per-example autograd loop."""
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from torch import nn
+
+from workbench.data import Batch, PadCollator, as_batch, collate
+from workbench.distributed import setup
+from workbench.errors import WorkbenchError
+from workbench.losses import TokenCrossEntropy
+from workbench.models import LSTMClassifier, TransformerClassifier, prepare_model
+from workbench.trainer import Evaluator, GradientStep
+
+
+class _Out:
+    """An HF-style output object: the trainer must read .logits."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class _TwoInputs(nn.Module):
+    """forward(a, b): positional (x1, x2, y) batches and keyword (mapping) batches alike; returns an object."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fa, self.fb, self.head = nn.Linear(6, 8), nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, a, b):
+        return _Out(self.head(torch.tanh(self.fa(a) + self.fb(b))))
+
+
+def _data(n=13, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g) * 3, torch.randn(n, 4, generator=g) * 3, torch.randint(0, 3, (n,), generator=g)
+
+
+def _reference(make_model, examples, loss_fn, clip):
+    """The definition: each example's gradient alone (autograd), clipped to norm <= clip, summed."""
+    model = make_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    for example in examples:
+        model.zero_grad()
+        loss_fn(model, example).backward()
+        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
+        for t, p in zip(total, params):
+            t += min(1.0, clip / (float(norm) + 1e-6)) * p.grad
+    return total
+
+
+def _assert_grads(step, expected):
+    for p, e in zip(step.params, expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks", "functorch", "ghost", "ew"])
+@pytest.mark.parametrize("shape", ["positional", "mapping"])
+def test_multi_input_and_mapping_batches_match_the_per_example_loop(mode, shape):
+    a, b, y = _data()
+    raw = (a, b, y) if shape == "positional" else {"a": a, "b": b, "labels": y}
+    ce = nn.functional.cross_entropy
+    expected = _reference(_TwoInputs, range(len(y)), lambda m, i: ce(m(a[i:i + 1], b[i:i + 1]).logits, y[i:i + 1]), 0.5)
+    step = GradientStep(_TwoInputs(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=0.5,
+                        noise_multiplier=0.0, grad_sample_mode=mode, max_physical_batch_size=4)  # 4 micro-batches
+    step.check(raw)
+    loss_sum, count = step(raw, step=0)
+    assert count == len(y) and loss_sum > 0
+    _assert_grads(step, expected)
+
+
+def test_batch_shapes_are_read_alike_and_bad_ones_refused():
+    x, y = torch.randn(5, 3), torch.arange(5)
+    assert as_batch((x, y)).args[0] is x and len(as_batch((x, y))) == 5
+    mapping = as_batch({"input_ids": x, "attention_mask": x, "label": y})  # HF datasets' "label" too
+    assert set(mapping.kwargs) == {"input_ids", "attention_mask"} and mapping.labels is y
+    part = as_batch({"input_ids": x, "shared": torch.zeros(1, 3), "labels": y}).slice(1, 3)
+    assert torch.equal(part.kwargs["input_ids"], x[1:3]) and part.kwargs["shared"].shape == (1, 3)
+    assert as_batch(None) is None
+    with pytest.raises(WorkbenchError, match="needs a 'labels' entry"):
+        as_batch({"input_ids": x})
+    with pytest.raises(WorkbenchError, match=r"\(x, y\), \(x1, ..., xk, y\) or a mapping"):
+        as_batch(x)
+
+
+def test_an_empty_mapping_draw_still_takes_the_step():
+    step = GradientStep(_TwoInputs(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=1.0,
+                        noise_multiplier=1.0, grad_sample_mode="hooks")
+    empty = {"a": torch.empty(0, 6), "b": torch.empty(0, 4), "labels": torch.empty(0, dtype=torch.long)}
+    loss_sum, count = step(empty, step=0)
+    assert count == 0 and loss_sum == 0
+    noise_only = torch.cat([p.grad.flatten() for p in step.params]).clone()
+    step(None, step=0)  # the sampler's empty draw: the same noise, nothing else
+    assert torch.equal(torch.cat([p.grad.flatten() for p in step.params]), noise_only)
+    assert collate([]) is None
+
+
+class _TinyLM(nn.Module):
+    """Embedding -> tanh Linear -> vocabulary logits, HF style: forward(input_ids, attention_mask) -> .logits."""
+
+    def __init__(self, vocab=11, width=8, freeze_embedding=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.mix, self.out = nn.Embedding(vocab, width), nn.Linear(width, width), nn.Linear(width, vocab)
+        self.emb.requires_grad_(not freeze_embedding)
+
+    def forward(self, input_ids, attention_mask=None):
+        h = torch.tanh(self.mix(self.emb(input_ids)))
+        if attention_mask is not None:
+            h = h * attention_mask.unsqueeze(-1)
+        return _Out(self.out(h))
+
+
+def _text(lengths=(5, 2, 7, 3, 6, 1, 4), vocab=11, seed=3):
+    """Variable-length sequences, labels = input_ids (causal LM), some tokens ignored, padded by PadCollator."""
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for n in lengths:
+        ids = torch.randint(1, vocab, (n,), generator=g)
+        labels = ids.clone()
+        labels[0] = -100 if n > 2 else labels[0]  # e.g. a prompt token that is not trained on
+        examples.append({"input_ids": ids, "attention_mask": torch.ones(n, dtype=torch.long), "labels": labels})
+    return examples
+
+
+def test_pad_collator_pads_each_key_with_its_own_value():
+    batch = PadCollator(pad_token_id=9, pad_to_multiple_of=4)(
+        [{"input_ids": [1, 2, 3], "attention_mask": [1, 1, 1], "labels": [1, 2, 3], "label": 1},
+         {"input_ids": [4], "attention_mask": [1], "labels": [4], "label": 0}])
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 9], [4, 9, 9, 9]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[1, 2, 3, -100], [4, -100, -100, -100]]
+    assert batch["label"].tolist() == [1, 0]
+    with pytest.raises(WorkbenchError, match="mappings"):
+        PadCollator()([(torch.zeros(2), 1)])
+
+
+def test_token_loss_is_each_examples_mean_over_its_own_tokens():
+    examples = _text()
+    model, loss = _TinyLM(), TokenCrossEntropy()
+    batch = as_batch(PadCollator()(examples))
+    losses = loss(model(**batch.kwargs).logits, batch.labels)
+    for i, e in enumerate(examples):  # alone, unpadded: the same value (padding and the batch change nothing)
+        alone = model(e["input_ids"][None]).logits[0, :-1]
+        targets = e["labels"][1:]
+        own = nn.functional.cross_entropy(alone[targets != -100], targets[targets != -100]) \
+            if (targets != -100).any() else torch.tensor(0.0)
+        torch.testing.assert_close(losses[i], own)
+    assert losses[5] == 0  # one token: nothing to predict, no gradient
+    with pytest.raises(WorkbenchError, match="reduction must be 'none'"):
+        TokenCrossEntropy(reduction="mean")
+
+
+@pytest.mark.parametrize("mode,frozen", [("bk", True), ("hooks", False), ("ew", False), ("auto", False)])
+def test_token_level_lm_clipping_matches_the_per_example_loop(mode, frozen):
+    examples = _text()
+    loss = TokenCrossEntropy()
+
+    def one(model, e):
+        return loss(model(e["input_ids"][None], e["attention_mask"][None]).logits, e["labels"][None])[0]
+
+    make = lambda: _TinyLM(freeze_embedding=frozen)  # noqa: E731 - bk clips nn.Linear only
+    expected = _reference(make, examples, one, clip=0.05)
+    step = GradientStep(make(), loss, setup("gloo"), max_grad_norm=0.05, noise_multiplier=0.0, grad_sample_mode=mode,
+                        max_physical_batch_size=3)
+    raw = PadCollator()(examples)
+    step.check(raw)
+    _, count = step(raw, step=0)
+    assert count == len(examples)
+    _assert_grads(step, expected)
+
+
+def test_a_parameter_without_per_example_gradients_is_refused():
+    class SharedPositions(nn.Module):  # BERT-style position embeddings looked up with (1, T) ids
+        def __init__(self):
+            super().__init__()
+            self.pos, self.head = nn.Embedding(8, 4), nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.head((x.unsqueeze(-1) + self.pos(torch.arange(x.shape[1])[None])).mean(1))
+
+    for mode in ("hooks", "ghost"):
+        step = GradientStep(SharedPositions(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=1.0,
+                            noise_multiplier=0.0, grad_sample_mode=mode)
+        with pytest.raises(WorkbenchError, match="'pos.weight' has no per-example gradient"):
+            step((torch.randn(5, 6), torch.randint(0, 3, (5,))), step=0)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_evaluator_gathers_ragged_lm_logits_and_reports_perplexity(batched):
+    examples = _text()
+    model = _TinyLM()
+    batches = [PadCollator()(examples[:3]), PadCollator()(examples[3:])]  # padded to 7, then to 6 tokens
+    seen = []
+
+    def metrics(pred, compute_result=True):
+        seen.append(pred)
+        return {"n": float(len(pred.label_ids))}
+
+    ev = Evaluator(model, TokenCrossEntropy(), batches, setup("gloo"), metrics, batch_eval_metrics=batched)
+    out = ev()
+    loss = TokenCrossEntropy()
+    with torch.no_grad():
+        per_example = torch.cat([loss(model(**as_batch(b).kwargs).logits, b["labels"]) for b in batches])
+    assert out["eval_loss"] == pytest.approx(float(per_example.mean()), rel=1e-6)
+    assert out["eval_perplexity"] == pytest.approx(float(per_example.mean().exp()), rel=1e-6)
+    if batched:
+        assert [len(p.label_ids) for p in seen] == [3, 4]
+    else:
+        (pred,) = seen
+        assert pred.predictions.shape == (7, 7, 11) and pred.label_ids.shape == (7, 7)
+        assert (pred.label_ids[3:, 6] == -100).all()  # the shorter batch padded as HF pads: -100
+        with torch.no_grad():
+            torch.testing.assert_close(pred.predictions[3:, :6], model(**as_batch(batches[1]).kwargs).logits)
+
+
+def test_fixed_transformer_and_lstm_keep_their_function_and_clip_exactly():
+    x = torch.rand(9, 64)
+    y = torch.randint(0, 10, (9,))
+    for cls, expect in ((TransformerClassifier, "MultiheadAttention -> DPMultiheadAttention (weights carried)"),
+                        (LSTMClassifier, "LSTM -> DPLSTM (weights carried)")):
+        torch.manual_seed(0)
+        original = cls().eval()
+        before = original(x)
+        fixed, notes = prepare_model(original, private=True)
+        assert len(notes) == 1 and expect in notes[0]
+        torch.testing.assert_close(fixed.eval()(x), before)  # same weights, same function (batch_first included)
+        fixed.train()
+        with pytest.raises(WorkbenchError, match="fix_model=true replaces it"):
+            prepare_model(cls(), private=True, fix=False)
+
+        def again():
+            torch.manual_seed(1)
+            return prepare_model(cls(), private=True)[0]
+
+        ce = nn.functional.cross_entropy
+        expected = _reference(again, range(len(y)), lambda m, i: ce(m(x[i:i + 1]), y[i:i + 1]), clip=0.1)
+        step = GradientStep(again(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=0.1,
+                            noise_multiplier=0.0, grad_sample_mode="auto", max_physical_batch_size=4)
+        step((x, y), step=0)
+        _assert_grads(step, expected)
+    _, notes = prepare_model(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), private=True)
+    assert notes == ["1: BatchNorm2d -> GroupNorm (re-initialised)"]
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_bf16_clipped_contributions_never_exceed_the_bound(mode):
+    """Under bf16 autocast each example's contribution to the clipped sum has norm <= C up to float32 rounding:
+    norms, factors and the sum are float32 and come from the very per-sample values summed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
+    dtypes = []
+    model[0].register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
+    clip = 0.01  # every example is clipped
+    step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=clip,
+                        noise_multiplier=0.0, grad_sample_mode=mode, autocast_dtype=torch.bfloat16)
+    x, y = torch.randn(16, 6) * 5, torch.randint(0, 3, (16,))
+    total = None
+    for i in range(len(y)):
+        step((x[i:i + 1], y[i:i + 1]), step=0)
+        contribution = torch.cat([p.grad.flatten() for p in step.params])
+        assert contribution.dtype == torch.float32
+        assert float(contribution.norm()) <= clip * (1 + 1e-5)
+        assert float(contribution.norm()) >= clip * 0.99  # and it really was clipped
+        total = contribution.clone() if total is None else total + contribution
+    assert torch.bfloat16 in dtypes  # the forward ran in bf16
+    step((x, y), step=1)
+    assert float(torch.cat([p.grad.flatten() for p in step.params]).norm()) <= len(y) * clip * (1 + 1e-5)
+    with pytest.raises(WorkbenchError, match="cannot run in mixed precision"):
+        GradientStep(nn.Linear(6, 3), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=clip,
+                     noise_multiplier=0.0, grad_sample_mode="ghost", autocast_dtype=torch.bfloat16)
+
+
+def test_fp16_is_refused_without_cuda(make_cfg):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: fp16 is allowed")
+    from workbench import train
+
+    with pytest.raises(WorkbenchError, match="fp16=true needs CUDA"):
+        train(make_cfg("experiment=quick", "fp16=true"))
+
+
+def test_own_model_and_data_in_one_override_each(make_cfg, mlflow_uri):
+    """model._target_ and data.train._target_ swap the class; the old option's arguments are not passed to it."""
+    from workbench import train
+
+    result = train(make_cfg("experiment=quick", "model._target_=tests.plugins.width_net", "+model.width=3",
+                            "data.train._target_=tests.plugins.tiny_blobs", "+data.train.count=320"))
+    assert [p.shape for p in result.model.parameters()][:1] == [torch.Size([3, 64])]
+    assert result.sample_rate == pytest.approx(64 / 320)
+    with pytest.raises(WorkbenchError, match="unexpected keyword argument 'depth'"):  # user keys still checked
+        train(make_cfg("experiment=quick", "model._target_=tests.plugins.width_net", "+model.depth=3"))
+
+
+def test_bf16_transformer_trains_with_dp_and_records_the_replacement(make_cfg, mlflow_uri, capsys):
+    from workbench import train
+
+    result = train(make_cfg("data=digits", "model._target_=workbench.models.TransformerClassifier", "bf16=true",
+                            "max_steps=30", "per_device_train_batch_size=128", "learning_rate=0.5",
+                            "privacy.target_epsilon=8", "privacy.secure_seed=1"))  # pinned: one deterministic run
+    assert "privacy.fix_model: encoder.layers.0.self_attn: MultiheadAttention -> DPMultiheadAttention" in \
+        capsys.readouterr().out
+    tags = MlflowClient(tracking_uri=mlflow_uri).get_run(result.run_id).data.tags
+    assert "MultiheadAttention -> DPMultiheadAttention" in tags["fixed_modules"]
+    assert result.epsilon <= 8 and result.metrics["eval_accuracy"] > 0.3  # 10 classes; learning, if slowly
+
+
+def test_default_job_imports_no_hugging_face(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = ("import sys; from workbench import compose, train; "
+            f"train(compose(['experiment=quick', 'tracking=off', 'output_dir={tmp_path}/run', 'disable_tqdm=true'])); "
+            "print(sorted(m for m in ('transformers', 'peft', 'tokenizers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16])
+def test_cuda_step_matches_the_per_example_loop(dtype):
+    """Device placement, non_blocking copies from pinned memory and autocast on CUDA: the clipped sum is the CPU
+    per-example loop's (to half-precision rounding), each example's contribution bounded in float32."""
+    a, b, y = _data()
+    raw = {"a": a.pin_memory(), "b": b.pin_memory(), "labels": y.pin_memory()}
+    ce = nn.functional.cross_entropy
+    expected = _reference(_TwoInputs, range(len(y)), lambda m, i: ce(m(a[i:i + 1], b[i:i + 1]).logits, y[i:i + 1]), 0.5)
+    d = setup("gloo")
+    step = GradientStep(_TwoInputs().cuda(), nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=0.5,
+                        noise_multiplier=0.0, grad_sample_mode="hooks", autocast_dtype=dtype)
+    step(raw, step=0)
+    tolerance = dict(rtol=1e-4, atol=1e-5) if dtype is None else dict(rtol=5e-2, atol=2e-2)
+    for p, e in zip(step.params, expected):
+        assert p.grad.is_cuda and p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad.cpu(), e, **tolerance)
