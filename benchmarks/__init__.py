@@ -20,6 +20,8 @@ Figures (one key each in results.json):
                            ``PrivacyEngine.make_private`` (DPDataLoader Poisson sampling + DPOptimizer).
 - ``distributed_scaling``  weak scaling over gloo (W=2 vs W=1, same per-rank batch) and one flattened all-reduce
                            vs one all-reduce per parameter (Opacus' distributed optimizer).
+- ``scaling_vs_ddp``       W=2 weak scaling of our DP trainer on the compute-bound transformer preset beside
+                           torch DDP's non-private scaling of the same model, in the same jobs; ours / DDP.
 - ``accounting``           epsilon and sigma calibration for 10k / 100k Poisson steps, parallel Poisson W=2,4,8.
 - ``tracking_overhead``    ``workbench.train`` on the default config, MLflow tracking on vs off.
 - ``startup``              ``python -m workbench`` to its first training step.

@@ -14,7 +14,7 @@ import time
 import warnings
 from pathlib import Path
 
-FIGURES = ("dp_vs_nonprivate", "vs_opacus", "distributed_scaling", "accounting", "tracking_overhead", "startup",
+FIGURES = ("dp_vs_nonprivate", "vs_opacus", "distributed_scaling", "scaling_vs_ddp", "accounting", "tracking_overhead", "startup",
            "end_to_end")
 
 
@@ -32,6 +32,9 @@ def _summary(name: str, fig: dict) -> dict[str, float]:
         out.update({f"allreduce/{k}/{m}": v[m] for k, v in fig["allreduce"].items()
                     for m in ("flat_us_per_step", "per_parameter_us_per_step", "per_parameter_vs_flat")})
         return out
+    if name == "scaling_vs_ddp":
+        out = {f"w{w}/{k}/samples_per_s": x for w, v in fig["world_sizes"].items() for k, x in v["samples_per_s"].items()}
+        return {**out, **{f"efficiency/{k}": v for k, v in fig["efficiency"].items()}, "ours_vs_ddp": fig["ours_vs_ddp"]}
     if name == "accounting":
         out = {f"epsilon/{k}/seconds": v["seconds_fresh"] for k, v in fig["epsilon"].items()}
         out.update({f"calibrate/{k}/seconds": v["seconds"] for k, v in fig["calibrate"].items()})
@@ -113,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             fig = throughput.vs_opacus(settings, fastest)
         elif name == "distributed_scaling":
             fig = scaling.distributed_scaling(settings, fastest)
+        elif name == "scaling_vs_ddp":
+            fig = scaling.scaling_vs_ddp(settings, fastest)
         elif name == "accounting":
             fig = accounting.accounting(settings)
         elif name == "tracking_overhead":

@@ -26,42 +26,54 @@ BATCH = 256
 SMALL = 1000  # floats in the latency-floor all-reduce
 
 
+def _rank_batches(d) -> tuple:
+    """Digits' tensors and 64 Poisson batches of this rank's ``per_rank`` shard (expected size BATCH), pre-drawn."""
+    import torch
+
+    from workbench import data
+
+    ds = data.Digits("train")
+    shard = data.train_shard(len(ds), d.rank, d.world_size, "per_rank", BATCH)
+    sampler = data.PoissonBatchSampler(shard, 64, seed=0, rank=d.rank)
+    return (*ds.tensors, [torch.as_tensor(sampler.indices_for_step(s), dtype=torch.long) for s in range(64)])
+
+
+class _Runner:
+    """One rank's step function fed with its pre-drawn batches in turn; ``block(n)`` times n steps after a barrier
+    and records the rank's CPU time / wall time over them."""
+
+    def __init__(self, step, d, x, y, batches):
+        self.step, self.d, self.x, self.y, self.batches = step, d, x, y, batches
+        self.cursor, self.cpu_share = 0, []
+
+    def block(self, n: int) -> tuple[float, float]:
+        self.d.barrier()
+        t, c = time.perf_counter(), time.process_time()
+        samples = 0
+        for _ in range(n):
+            idx = self.batches[self.cursor % len(self.batches)]
+            self.step(self.x[idx], self.y[idx], self.cursor)
+            self.cursor += 1
+            samples += len(idx)
+        wall = time.perf_counter() - t
+        self.cpu_share.append((time.process_time() - c) / wall)
+        return float(samples), wall
+
+
 def _worker(configs: list[tuple[str, str]], steps: int, warmup: int, repeats: int, allreduce_iters: int) -> dict:
     """One rank of a W-process job (runs in a spawned process)."""
     import torch
     import torch.distributed as tdist
 
     from benchmarks.throughput import make_model, workbench_step
-    from workbench import data, distributed
-    from workbench.data import Digits
+    from workbench import distributed
 
     torch.set_num_threads(1)
     d = distributed.setup("gloo")
     try:
-        ds = Digits("train")
-        x, y = ds.tensors
-        shard = data.train_shard(len(ds), d.rank, d.world_size, "per_rank", BATCH)
-        sampler = data.PoissonBatchSampler(shard, 64, seed=0, rank=d.rank)
-        batches = [torch.as_tensor(sampler.indices_for_step(s), dtype=torch.long) for s in range(64)]
-
-        class Runner:
-            def __init__(self, model_name, mode):
-                self.step, self.cursor, self.cpu_share = workbench_step(make_model(model_name), mode, d), 0, []
-
-            def block(self, n):
-                d.barrier()
-                t, c = time.perf_counter(), time.process_time()
-                samples = 0
-                for _ in range(n):
-                    idx = batches[self.cursor % len(batches)]
-                    self.step(x[idx], y[idx], self.cursor)
-                    self.cursor += 1
-                    samples += len(idx)
-                wall = time.perf_counter() - t
-                self.cpu_share.append((time.process_time() - c) / wall)
-                return float(samples), wall
-
-        runners = {f"{m}/{mode}": Runner(m, mode) for m, mode in configs}
+        x, y, batches = _rank_batches(d)
+        runners = {f"{m}/{mode}": _Runner(workbench_step(make_model(m), mode, d), d, x, y, batches)
+                   for m, mode in configs}
         for r in runners.values():
             r.block(warmup)
         n_steps = {m: steps if m == "mlp" else max(5, steps // 2) for m, _ in configs}
@@ -157,4 +169,102 @@ def distributed_scaling(s: Settings, fastest: dict[str, str] | None = None, log=
                  for k, v in rows.items() if k != mlp_fast]
                 + [{"what": f"{k}: per-parameter all-reduce time / one flat all-reduce (W=2, {v['tensors']} tensors)",
                     "value": v["per_parameter_vs_flat"]} for k, v in allreduce.items()],
+    }
+
+
+# ------------------------------------------------------------------------------------------------ vs torch DDP
+
+DDP_MODEL = "transformer"  # TinyTransformer: compute-bound on CPU (the flat all-reduce is ~1% of its step)
+
+
+def _vs_ddp_worker(mode: str, steps: int, warmup: int, repeats: int) -> dict:
+    """One rank: our DP step and torch DDP's non-private step of the same model, interleaved on the same batches."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from benchmarks.throughput import make_model, plain_step, workbench_step
+    from workbench import distributed
+
+    torch.set_num_threads(1)
+    d = distributed.setup("gloo")
+    try:
+        x, y, batches = _rank_batches(d)
+        # W=1: the plain single-process loop (no wrapper), the baseline DDP's scaling is measured against
+        ddp_model = DistributedDataParallel(make_model(DDP_MODEL)) if d.distributed else make_model(DDP_MODEL)
+        runners = {"ours": _Runner(workbench_step(make_model(DDP_MODEL), mode, d, (x[:8], y[:8])), d, x, y, batches),
+                   "ddp": _Runner(plain_step(ddp_model), d, x, y, batches)}
+        for r in runners.values():
+            r.block(warmup)
+        rates = interleaved({k: functools.partial(r.block, steps) for k, r in runners.items()}, repeats)
+        out = {"rates": rates, "cpu_share": {k: r.cpu_share[1:] for k, r in runners.items()}}  # [0]: warm-up
+        if d.distributed:  # what the step's one flat all-reduce (gradients, loss sum, count) costs alone
+            flat = torch.zeros(sum(p.numel() for p in ddp_model.parameters()) + 2)
+
+            def all_reduces(n=20):
+                d.barrier()
+                t = time.perf_counter()
+                for _ in range(n):
+                    d.all_reduce_(flat)
+                return float(n), time.perf_counter() - t
+
+            all_reduces()
+            out["allreduce_per_s"] = interleaved({"flat": all_reduces}, repeats)["flat"]
+        return out
+    finally:
+        distributed.teardown(d)
+
+
+def scaling_vs_ddp(s: Settings, fastest: dict[str, str] | None = None, log=print) -> dict:
+    """W=2 weak scaling of our DP trainer beside torch DDP's non-private scaling of the same model, in one run.
+
+    Model: ``TinyTransformer`` (the transformer preset; ~56k parameters, batch 256 x 64 tokens), chosen because it is
+    compute-bound on CPU: a single-threaded step takes ~140 ms (non-private) / ~250 ms (DP, bk) against ~1-2 ms for
+    all-reducing its gradient over gloo (both measured here), so scaling measures the step, not the all-reduce latency (the MLP's W=2 cost in
+    ``distributed_scaling``). Each W=1 / W=2 job (``launch_distributed``, real processes, gloo, one thread each) runs
+    two steps interleaved on the same pre-drawn Poisson batches (expected 256 per rank, ``shard=per_rank``): ours
+    (``GradientStep`` in the model's fastest mode + SGD; its flat all-reduce skipped at W=1) and DDP's
+    (``DistributedDataParallel`` + ``loss.backward()`` + SGD; at W=1 the plain model, no wrapper). Throughput at W =
+    the sum over ranks of samples / s; scaling efficiency = thr(W=2) / (2 thr(W=1)). ours / DDP = (ours / DDP
+    throughput at W=2) / (the same at W=1), each the median over neighbouring (interleaved) block pairs: the
+    efficiency ratio, with the machine's drift between jobs cancelled."""
+    from workbench import launch_distributed
+
+    mode = (fastest or {}).get(DDP_MODEL, "bk")
+    steps, warmup = max(2, s.steps // 10), max(1, s.warmup_steps // 5)
+    jobs: dict[int, list[list[dict]]] = {1: [], 2: []}
+    t0 = time.perf_counter()
+    for i in range(s.scaling_launches):
+        for w in ((1, 2) if i % 2 == 0 else (2, 1)):
+            jobs[w].append(launch_distributed(_vs_ddp_worker, w, mode, steps, warmup, s.repeats, timeout=900))
+    wall = time.perf_counter() - t0
+
+    per_w = {}
+    for w, js in jobs.items():
+        # per job and repeat: the job's throughput, the sum of its ranks' samples/s
+        thr = {k: [sum(rank["rates"][k][r] for rank in job) for job in js for r in range(s.repeats)]
+               for k in ("ours", "ddp")}
+        per_w[w] = {"samples_per_s": {k: median(v) for k, v in thr.items()}, "runs": thr,
+                    "ours_vs_ddp_pairs": [o / p for o, p in zip(thr["ours"], thr["ddp"])],
+                    "cpu_share": {k: median([c for job in js for rank in job for c in rank["cpu_share"][k]])
+                                  for k in ("ours", "ddp")}}
+    step_ms = {k: BATCH / per_w[1]["samples_per_s"][k] * 1e3 for k in ("ours", "ddp")}  # W=1, one rank
+    allreduce_ms = 1e3 / median([x for job in jobs[2] for rank in job for x in rank["allreduce_per_s"]])
+    efficiency = {k: per_w[2]["samples_per_s"][k] / (2 * per_w[1]["samples_per_s"][k]) for k in ("ours", "ddp")}
+    ours_vs_ddp = median(per_w[2]["ours_vs_ddp_pairs"]) / median(per_w[1]["ours_vs_ddp_pairs"])
+    log(f"  {DDP_MODEL} ({mode}): scaling efficiency ours {efficiency['ours']:.2f}, DDP {efficiency['ddp']:.2f}; "
+        f"ours/DDP {ours_vs_ddp:.2f} (CPU share per rank W=1 {per_w[1]['cpu_share']['ours']:.2f}, "
+        f"W=2 {per_w[2]['cpu_share']['ours']:.2f})")
+    return {
+        "what": " ".join(scaling_vs_ddp.__doc__.split()),
+        "model": DDP_MODEL, "grad_sample_mode": mode, "backend": "gloo", "per_rank_batch": BATCH, "shard": "per_rank",
+        "steps_per_block": steps, "launches_per_world_size": s.scaling_launches, "wall_s": wall,
+        "world_sizes": {str(w): v for w, v in per_w.items()}, "step_ms_w1": step_ms, "allreduce_ms_w2": allreduce_ms,
+        "efficiency": efficiency, "ours_vs_ddp": ours_vs_ddp,
+        "targets": [target(f"{DDP_MODEL} W=2 scaling efficiency, ours (DP, {mode}) / torch DDP (non-private)",
+                           ours_vs_ddp, 0.95, True)],
+        "info": [{"what": f"{DDP_MODEL} W=2 scaling efficiency thr(W=2) / (2 thr(W=1)), ours (DP, {mode})",
+                  "value": efficiency["ours"]},
+                 {"what": f"{DDP_MODEL} W=2 scaling efficiency, torch DDP (non-private)", "value": efficiency["ddp"]},
+                 {"what": f"{DDP_MODEL} ours / DDP scaling efficiency, each from its own medians (carries the drift "
+                          "between jobs)", "value": efficiency["ours"] / efficiency["ddp"]}],
     }

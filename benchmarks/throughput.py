@@ -103,13 +103,18 @@ def plain_step(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor, int], 
     return step
 
 
-def workbench_step(model: nn.Module, mode: str | None, dist=None) -> Callable[[torch.Tensor, torch.Tensor, int], None]:
-    """One step as ``Trainer.fit`` takes it; ``mode=None`` is GradientStep's non-private twin."""
+def workbench_step(model: nn.Module, mode: str | None, dist=None,
+                   check_on: tuple[torch.Tensor, torch.Tensor] | None = None) -> Callable[[torch.Tensor, torch.Tensor, int], None]:
+    """One step as ``Trainer.fit`` takes it; ``mode=None`` is GradientStep's non-private twin. ``check_on``: a few
+    examples for the pre-run check, as ``workbench.run`` does (8); without it the first step checks its whole batch,
+    one autograd call per example (~40 s on the transformer: only warm-ups pay it)."""
     from workbench.trainer import GradientStep
 
     gs = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), dist or single_process_dist(),
                       max_grad_norm=None if mode is None else CLIP, noise_multiplier=SIGMA,
                       grad_sample_mode=mode or "hooks", max_physical_batch_size=512, noise_seed=0)
+    if check_on is not None:
+        gs.check(check_on)
     opt = torch.optim.SGD(gs.params, lr=LR)
     expected = float(BATCH * (dist.world_size if dist is not None else 1))
 

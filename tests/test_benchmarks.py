@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import REPO
 
-FIGURES = ("dp_vs_nonprivate", "vs_opacus", "distributed_scaling", "accounting", "tracking_overhead", "startup",
+FIGURES = ("dp_vs_nonprivate", "vs_opacus", "distributed_scaling", "scaling_vs_ddp", "accounting", "tracking_overhead", "startup",
            "end_to_end")
 
 
@@ -36,7 +36,12 @@ def test_quick_benchmarks_write_every_figure(tmp_path):
             assert math.isfinite(value) and value > 0, (name, key, value)
         for t in fig["targets"]:
             assert isinstance(t["met"], bool) and math.isfinite(t["value"]) and t["goal"] > 0, (name, t)
-    assert len([t for fig in results.values() for t in fig["targets"]]) >= 9  # every target of the issue
+    assert len([t for fig in results.values() for t in fig["targets"]]) >= 10  # every target of the issue
+
+    ddp = results["scaling_vs_ddp"]  # W=2 weak scaling, ours beside torch DDP (issue 10)
+    assert {f"w{w}/{k}/samples_per_s" for w in (1, 2) for k in ("ours", "ddp")} | {
+        "efficiency/ours", "efficiency/ddp", "ours_vs_ddp"} <= set(ddp["summary"])
+    assert [t["goal"] for t in ddp["targets"]] == [0.95] and ddp["targets"][0]["value"] == ddp["ours_vs_ddp"]
 
     table = (tmp_path / "RESULTS.md").read_text()
     assert "| Figure | Comparison (same run) | Measured | Target | Met | Gap |" in table
