@@ -26,7 +26,7 @@ from workbench.errors import WorkbenchError
 from workbench.interrupt import Interrupted, ignore_further, signals_interrupt
 from workbench.models import prepare_model
 from workbench.tracking import end_if_abandoned, git_sha, make_tracker, ui_command
-from workbench.trainer import Evaluator, GradientStep, History, Trainer, lr_lambda
+from workbench.trainer import CHECK_EXAMPLES, Evaluator, GradientStep, History, Trainer, lr_lambda
 
 log = logging.getLogger("workbench")
 
@@ -261,7 +261,7 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
                            noise_multiplier=sigma, grad_sample_mode=p.grad_sample_mode,
                            max_physical_batch_size=cfg.max_physical_batch_size, autocast_dtype=autocast_dtype)
     # The same examples on every rank: a refusal is raised everywhere alike, before any run exists.
-    step_fn.check(data.first_examples(train_set, 8, collator))
+    step_fn.check(data.first_examples(train_set, CHECK_EXAMPLES, collator))
     optimizer = make_optimizer(step_fn.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_scheduler_type, cfg.warmup_steps, total_steps))
 

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
 
 
+CHECK_EXAMPLES = 8  # examples the pre-run check compares against autograd's per-example gradients
+
+
 class GradientStep:
     """Steps 1-3 of the contract: the noised, all-reduced sum of clipped per-sample gradients for one logical step.
 
@@ -117,7 +120,8 @@ class GradientStep:
         if batch is not None:  # 1-2: per-sample gradients, clipped and summed into the flat buffer
             for micro_batch in self._micro_batches(self._to_device(batch)):
                 if getattr(self.clipper, "checked", True) is False:  # normally check() ran before training
-                    self.clipper.check(micro_batch, self._precise_losses)
+                    # on a few examples, as run.py does: the check is one autograd call per example
+                    self.clipper.check(micro_batch.slice(0, CHECK_EXAMPLES), self._precise_losses)
                 losses = self.clipper.accumulate(micro_batch, self._losses, self.view_of)
                 self.loss_sum.add_(losses.sum())
                 self.count.add_(len(losses))
