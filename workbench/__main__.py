@@ -7,6 +7,7 @@ point of a sweep) before Hydra's app starts, so a refused config leaves no run f
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -41,7 +42,12 @@ def main(cfg: DictConfig) -> None:
     except Interrupted as e:  # SIGTERM / SIGINT: one line, the shell's exit code for that signal
         if os.environ.get("RANK", "0") == "0":  # the job's one line, not one per rank
             print(resume_hint(e, [a for a in sys.argv[1:] if not a.startswith(("hydra.", "hydra/"))]), file=sys.stderr)
-        sys.exit(128 + e.signum)
+        # The run is already KILLED and its checkpoint whole: leave without the interpreter's teardown, where threads
+        # still in C++ (torch, the epsilon schedule) can abort the process (seen once: exit -6 instead of 130).
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + e.signum)
 
 
 def launch_or_clean_up(cfg: DictConfig, hydra_dir: Path | None = None):
