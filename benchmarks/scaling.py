@@ -21,6 +21,7 @@ import functools
 import time
 
 from benchmarks.common import Settings, interleaved, median, target
+from benchmarks.throughput import Replay
 
 BATCH = 256
 SMALL = 1000  # floats in the latency-floor all-reduce
@@ -38,26 +39,20 @@ def _rank_batches(d) -> tuple:
     return (*ds.tensors, [torch.as_tensor(sampler.indices_for_step(s), dtype=torch.long) for s in range(64)])
 
 
-class _Runner:
-    """One rank's step function fed with its pre-drawn batches in turn; ``block(n)`` times n steps after a barrier
-    and records the rank's CPU time / wall time over them."""
+class _Runner(Replay):
+    """One rank's Replay: ``block(n)`` times n steps after a barrier and records the rank's CPU time / wall time."""
 
     def __init__(self, step, d, x, y, batches):
-        self.step, self.d, self.x, self.y, self.batches = step, d, x, y, batches
-        self.cursor, self.cpu_share = 0, []
+        super().__init__(step, x, y, batches)
+        self.d, self.cpu_share = d, []
 
     def block(self, n: int) -> tuple[float, float]:
         self.d.barrier()
         t, c = time.perf_counter(), time.process_time()
-        samples = 0
-        for _ in range(n):
-            idx = self.batches[self.cursor % len(self.batches)]
-            self.step(self.x[idx], self.y[idx], self.cursor)
-            self.cursor += 1
-            samples += len(idx)
+        samples = super().block(n)
         wall = time.perf_counter() - t
         self.cpu_share.append((time.process_time() - c) / wall)
-        return float(samples), wall
+        return samples, wall
 
 
 def _worker(configs: list[tuple[str, str]], steps: int, warmup: int, repeats: int, allreduce_iters: int) -> dict:
