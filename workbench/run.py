@@ -3,6 +3,7 @@ checkpoint -> summary. The CLI, the launchers and the notebook API all call :fun
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -11,7 +12,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from hydra.utils import get_method, instantiate
@@ -20,13 +21,14 @@ from torch import nn
 
 from workbench import cache, checkpoint, config, data, data_checks, distributed, hf, privacy
 from workbench import callbacks as callbacks_
-from workbench.audit import AuditResult
-from workbench.canaries import CanaryAudit
 from workbench.errors import WorkbenchError
 from workbench.interrupt import Interrupted, ignore_further, signals_interrupt
 from workbench.models import prepare_model
 from workbench.tracking import end_if_abandoned, git_sha, make_tracker, ui_command
 from workbench.trainer import CHECK_EXAMPLES, Evaluator, GradientStep, History, Trainer, lr_lambda
+
+if TYPE_CHECKING:  # audit=canaries only: scipy.stats is most of a second to import
+    from workbench.audit import AuditResult
 
 log = logging.getLogger("workbench")
 
@@ -129,6 +131,7 @@ def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | 
                 sample_rate=a.sample_rate, noise_multiplier=a.noise_multiplier, world_size=a.world_size, shard=a.shard,
                 planned_steps=job["total_steps"], delta=job["delta"]))})
         run_id = d.broadcast_object(tracker.run_id)
+        _settle_heap()
         result = _fit(cfg, d, job, tracker, run_id, output_dir)
         d.barrier()  # ranks leave together: one tearing its gloo connections down under a busy peer can abort
         return result
@@ -147,6 +150,16 @@ def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | 
         distributed.teardown(d)
         if tracker is not None and tracker.run_id and cfg.tracking.sweep_dir:
             _sweep_point_ended(cfg.tracking.sweep_dir)
+
+
+def _settle_heap() -> None:
+    """The CLI turns garbage collection off while it starts (workbench/__main__.py): imports and the build make
+    hundreds of thousands of objects that live as long as the process, and collecting them again and again costs
+    about half a second. Training is about to begin: those objects move to the permanent generation, out of every later
+    collection, and collection resumes. A process that never turned it off (a notebook) is left as it is."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
 
 
 def _refuse_everywhere(d: distributed.Dist, check: Callable[[], str | None]) -> None:
@@ -187,6 +200,8 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
     if cfg.audit.enabled:  # the canary slots join the population: N and q count them whatever their membership
         if cfg.resume_from_checkpoint:
             raise WorkbenchError("audit=canaries cannot resume a run yet (its observers start at step 0)")
+        from workbench.canaries import CanaryAudit
+
         canaries = CanaryAudit(cfg.audit.canaries, train_set, cfg.audit.significance)
         train_set = canaries.dataset
     user_callbacks = [*(_instantiate(c, "callbacks") for c in cfg.callbacks), *extra_callbacks]
