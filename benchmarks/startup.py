@@ -12,9 +12,11 @@ and, inside the build, the durations of loading the data (``Digits``), ``calibra
 (``Accountant.max_steps``).
 Variants: ``cold`` (a new store: MLflow creates its tables; an empty workbench cache: calibration, budget and data
 split computed), ``warm`` (both exist: a user's second run) and ``tracking_off`` (``tracking.enabled=false``, an
-empty cache). The MLflow run is started on a background thread: ``tracker`` may come after ``first_step``. The job then runs to its end (the default job: 169 steps, eval,
-checkpoint, artifacts); ``process_exit`` is that whole run's wall time (full mode; quick mode stops the job once its
-first step is done).
+empty cache). MLflow itself runs in the job's tracking worker process (started once the CLI has checked the config:
+its imports and the store overlap torch's import); ``tracker`` is when the job's run exists, just before the first step.
+The job then runs to its end (the default job: 169 steps, eval, checkpoint, artifacts, the closing figure drawn by the
+worker); ``process_exit`` is that whole run's wall time (full mode; quick mode stops the job once its first step is
+done).
 """
 
 from __future__ import annotations

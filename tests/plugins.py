@@ -126,3 +126,23 @@ class FailingSynthetic(Synthetic):
         if os.environ.get("WB_FAIL_AT_FETCH") == str(self.fetches):
             raise RuntimeError(f"injected failure at fetch {self.fetches}")
         return super().__getitems__(indices)
+
+
+class ModulesAtExit:
+    """A callback that, when the job's process exits, writes which of MLflow and matplotlib it imported to
+    ``modules-at-exit.txt`` in the working folder (a CLI job draws and sends through its tracking worker instead)."""
+
+    def __init__(self):
+        import atexit
+
+        atexit.register(self._write)
+
+    def on_train_end(self, state):
+        pass
+
+    @staticmethod
+    def _write():
+        import sys
+        from pathlib import Path
+
+        Path("modules-at-exit.txt").write_text(" ".join(m for m in ("mlflow", "matplotlib") if m in sys.modules))

@@ -167,11 +167,22 @@ def _non_zero_rank_overrides() -> list[str]:
     return ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
 
 
+def _prestart_tracking(configs: list[DictConfig]) -> None:
+    """One job whose rank 0 tracks: its MLflow worker process starts now, importing MLflow on another core while this
+    one imports torch and builds the job (workbench.tracking.WorkerStore)."""
+    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
+    if len(configs) == 1 and rank in (None, "", "0") and configs[0].tracking.enabled:
+        from workbench.tracking import prestart, tracking_uri
+
+        prestart(tracking_uri(configs[0].tracking.uri))
+
+
 def cli() -> int:
     try:
-        check_args(sys.argv[1:])
+        configs = check_args(sys.argv[1:])
     except WorkbenchError as e:
         refuse(e)
+    _prestart_tracking(configs)
     sys.argv += _non_zero_rank_overrides()
     main()
     gc.freeze()  # the job is done: no collection over the whole heap while the interpreter tears down (~1.5 s)

@@ -10,6 +10,7 @@ passed by: the value is computed as if there were none.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -25,6 +26,7 @@ def folder() -> Path:
     return Path(os.environ.get("WORKBENCH_CACHE_DIR") or Path.home() / ".cache" / "workbench")
 
 
+@functools.lru_cache(maxsize=None)  # once per process: a key is made for every epsilon a run logs
 def code_version(modules: tuple[str, ...] = (), packages: tuple[str, ...] = ()) -> str:
     """A hash of workbench modules' source (file names in this package) and installed packages' versions."""
     here = Path(__file__).resolve().parent

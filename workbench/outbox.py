@@ -7,7 +7,9 @@ to the run folder's spool (``tracking-spool/``) and uploaded later into the same
 ``python -m workbench.tracking sync <run folder>``.
 
 An operation is a JSON-able tuple: ``("metrics", [[{name: value}, step, ms], ...])``, ``("params", {k: v})``,
-``("tags", {k: v})``, ``("artifact", staged_file, artifact_path)``, ``("status", "FINISHED"|"FAILED"|"KILLED")``.
+``("tags", {k: v})``, ``("artifact", staged_file, artifact_path)``, ``("curves", file_name, {steps, loss, epsilon,
+delta})`` (the training-curves figure, drawn where it is sent: matplotlib stays out of the training process),
+``("status", "FINISHED"|"FAILED"|"KILLED")``.
 """
 
 from __future__ import annotations
@@ -32,14 +34,22 @@ def spool_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / SPOOL
 
 
+class StoreError(Exception):
+    """A tracking store's failure as one line, with the HTTP status MLflow gave it (None: no answer, or not HTTP).
+    Plain, so that it crosses from the tracking worker process (workbench.tracking) without importing MLflow here."""
+
+    def __init__(self, message: str, http_status: int | None = None):
+        super().__init__(message)
+        self.http_status = http_status
+
+    def __reduce__(self):
+        return StoreError, (str(self), self.http_status)
+
+
 def permanent(error: BaseException) -> bool:
     """A request the server understood and refused (bad value, no such run): retrying cannot help."""
-    from mlflow.exceptions import MlflowException
-
-    if not isinstance(error, MlflowException):
-        return False
-    status = error.get_http_status_code()
-    return 400 <= status < 500 and status != 429
+    status = getattr(error, "http_status", None)
+    return isinstance(error, StoreError) and status is not None and 400 <= status < 500 and status != 429
 
 
 class Outbox:

@@ -237,6 +237,15 @@ class Accountant:
             return 0.0
         if self.noise_multiplier == 0:
             return math.inf
+        # A PLD composition is 0.1-0.5 s (and the scipy import under it): a rerun of the same job reads its
+        # epsilons -- the schedule it logs, the budget, the final one -- from the on-disk cache.
+        from workbench import cache
+
+        mechanism = {k: v for k, v in self.state_dict().items() if k != "steps"}
+        return cache.cached("epsilon", lambda: self._epsilon_uncached(steps, delta), **mechanism, steps=steps,
+                            delta=delta, code=code_version())
+
+    def _epsilon_uncached(self, steps: int, delta: float) -> float:
         if self.kind == "pld":
             return float(self.pld(steps).get_epsilon_for_delta(delta))
         if self.kind == "rdp":

@@ -378,10 +378,8 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
                 model.save_pretrained(tmp)
                 for f in sorted(Path(tmp).iterdir()):
                     tracker.log_artifact(f, "adapter")
-        if trainer.history.steps:
-            from workbench.plots import training_curves
-
-            tracker.log_figure(training_curves(trainer.history), "training_curves.png")
+        if trainer.history.steps:  # drawn where it is sent (the tracking worker): matplotlib stays out of this process
+            tracker.log_curves(trainer.history)
     tracker.finish("FINISHED")
     uri = tracker.uri if run_id else None
     if d.is_main:

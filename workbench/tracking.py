@@ -1,16 +1,22 @@
 """Rank-zero MLflow tracking: one run per job, ended FINISHED or FAILED, never left RUNNING.
 
-Only world rank 0 talks to MLflow; every other rank gets a :class:`NullTracker` with the same methods.
+Only world rank 0 talks to MLflow; every other rank gets a :class:`NullTracker` with the same methods. A job's tracker
+talks to MLflow through a worker process (:class:`WorkerStore`): importing MLflow and opening its store take seconds
+of CPU, which the worker spends on another core while the job starts and trains.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
+import pickle
 import re
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -18,7 +24,7 @@ from typing import Any, Mapping
 from omegaconf import DictConfig, OmegaConf
 
 from workbench.errors import WorkbenchError
-from workbench.outbox import Outbox, read_spool, spool_dir, stage, tidy, unstage, write_spool
+from workbench.outbox import Outbox, StoreError, read_spool, spool_dir, stage, tidy, unstage, write_spool
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +120,228 @@ def init_store(uri: str) -> None:
     _READY_STORES.add(uri)
 
 
+def _plain(method):
+    """A store call's failure as a StoreError (one line, MLflow's HTTP status when it gave one): plain enough to
+    cross from the worker process, where MLflow's own exception types are not imported."""
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except StoreError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure of the store reaches the caller as one line
+            status = e.get_http_status_code() if hasattr(e, "get_http_status_code") else None
+            raise StoreError(" ".join(str(e).split()) or type(e).__name__, status) from None
+
+    return call
+
+
+class Store:
+    """The MLflow calls a job's tracker makes, in plain values (ids, flags, dicts) and plain errors (StoreError), so
+    that they run the same in this process or in a worker process (:class:`WorkerStore`)."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+        self._client = None
+
+    @property
+    def client(self):
+        """Made on first use: opening a SQLite store creates it, which a refused config must not do."""
+        if self._client is None:
+            from mlflow import MlflowClient
+
+            init_store(self.uri)
+            self._client = MlflowClient(tracking_uri=self.uri)
+        return self._client
+
+    @_plain
+    def experiment_id(self, name: str) -> str:
+        def get_or_create() -> str:
+            exp = self.client.get_experiment_by_name(name)
+            if exp is not None:
+                return exp.experiment_id
+            try:
+                return self.client.create_experiment(name)
+            except Exception:  # noqa: BLE001 - a concurrent point created it first
+                exp = self.client.get_experiment_by_name(name)
+                if exp is None:
+                    raise
+                return exp.experiment_id
+
+        return _retry(get_or_create)
+
+    @_plain
+    def create_run(self, experiment_id: str, run_name: str | None, tags: dict[str, str]) -> str:
+        return _retry(lambda: self.client.create_run(experiment_id, run_name=run_name, tags=tags)).info.run_id
+
+    @_plain
+    def set_status(self, run_id: str, status: str) -> None:
+        _retry(lambda: self.client.update_run(run_id, status=status))
+
+    @_plain
+    def status(self, run_id: str) -> str:
+        return _retry(lambda: self.client.get_run(run_id)).info.status
+
+    @_plain
+    def has_params(self, run_id: str) -> bool:
+        return bool(_retry(lambda: self.client.get_run(run_id)).data.params)
+
+    @_plain
+    def logged_until(self, run_id: str) -> dict[str, int]:
+        return logged_until(self.client, run_id)
+
+    @_plain
+    def send(self, run_id: str, op: tuple) -> None:
+        send(self.client, run_id, op)
+
+
+STORE_CALLS = ("experiment_id", "create_run", "set_status", "status", "has_params", "logged_until", "send")
+
+
+class WorkerStore:
+    """A :class:`Store` in a worker process (``python -m workbench.tracking serve <uri>``): MLflow's imports and its
+    store open on another core while this process starts and trains. Calls go one at a time, pickled over the worker's
+    stdin and stdout; a worker that died is replaced at the next call."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+        self._lock = threading.Lock()
+        self._proc = _adopt_prestarted(uri) or _spawn(uri)
+
+    def __getattr__(self, name: str):
+        if name not in STORE_CALLS:
+            raise AttributeError(name)
+        return lambda *args: self._call(name, args)
+
+    def _call(self, name: str, args: tuple):
+        with self._lock:
+            if self._proc.poll() is not None:
+                self._proc = _spawn(self.uri)
+            try:
+                pickle.dump((name, args), self._proc.stdin)
+                self._proc.stdin.flush()
+                ok, value = pickle.load(self._proc.stdout)
+            except (OSError, EOFError, pickle.UnpicklingError) as e:
+                self._proc.kill()
+                raise StoreError(f"the tracking worker stopped ({type(e).__name__}: {e})") from None
+        if ok:
+            return value
+        raise value
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Let the worker finish the call it is on and leave; one that does not within `timeout` is killed."""
+        _close_worker(self._proc, timeout)
+
+
+def _spawn(uri: str) -> subprocess.Popen:
+    for key, value in FAST_FAIL_ENV.items():  # the worker's HTTP calls fail fast; the outbox retries them
+        os.environ.setdefault(key, value)
+    here = str(Path(__file__).resolve().parent.parent)  # the worker imports this very workbench
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.tracking", "serve", uri], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env)
+    if not _WORKERS:
+        import atexit
+
+        atexit.register(_kill_workers)
+    _WORKERS.append(proc)
+    return proc
+
+
+def _close_worker(proc: subprocess.Popen, timeout: float) -> None:
+    try:
+        proc.stdin.close()
+    except OSError:
+        pass
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+_WORKERS: list[subprocess.Popen] = []  # every worker this process started; those still there at exit are killed
+_PRESTARTED: dict[str, subprocess.Popen] = {}
+
+
+def prestart(uri: str) -> None:
+    """Start the worker for `uri` now, before this process imports torch: the CLI calls it once the config is
+    checked. Nothing is opened until the job asks (a refused job leaves no store); an unused worker is killed at exit."""
+    if uri not in _PRESTARTED and not uri_problem(uri):
+        _PRESTARTED[uri] = _spawn(uri)
+
+
+def _adopt_prestarted(uri: str) -> subprocess.Popen | None:
+    proc = _PRESTARTED.pop(uri, None)
+    return proc if proc is not None and proc.poll() is None else None
+
+
+def _kill_workers() -> None:
+    """At exit: a worker still there was never used (a refused job) or its job failed; every call it answered is
+    already in the store."""
+    for proc in _WORKERS:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def serve(uri: str) -> None:
+    """The worker's loop: one (call, args) in, one (ok, value or StoreError) out, until stdin closes."""
+    import signal
+
+    # Ctrl-C and SIGTERM to the job's process group are the job's to handle: it ends its run through this worker,
+    # which leaves when the job closes its stdin (or dies).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    channel = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever MLflow prints goes to stderr, never into the channel
+    # The seconds this worker is for, spent while the job imports torch: MLflow, its SQL store, the closing figure's
+    # matplotlib.
+    import mlflow  # noqa: F401
+
+    if uri.startswith("sqlite:///"):
+        import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+    import workbench.plots  # noqa: F401
+
+    store, requests = Store(uri), sys.stdin.buffer
+    while True:
+        try:
+            name, args = pickle.load(requests)
+        except EOFError:  # every call is answered: leave without the interpreter's teardown (a second of CPU)
+            sys.stderr.flush()
+            os._exit(0)
+        try:
+            reply = (True, getattr(store, name)(*args))
+        except StoreError as e:
+            reply = (False, e)
+        except Exception as e:  # noqa: BLE001 - anything else is the store's failure too
+            reply = (False, StoreError(" ".join(str(e).split()) or type(e).__name__))
+        pickle.dump(reply, channel)
+        channel.flush()
+
+
+def reachable(uri: str) -> str | None:
+    """Why a server at `uri` cannot be reached (one line), found by a TCP connection within CHECK_TIMEOUT seconds and
+    without MLflow; None for a reachable server and for stores that are not servers (SQLite: a path, checked by
+    uri_problem)."""
+    import socket
+    from urllib.parse import urlparse
+
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("http", "https"):
+        return None
+    try:
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        with socket.create_connection((parsed.hostname or "localhost", port), timeout=CHECK_TIMEOUT):
+            return None
+    except socket.timeout:
+        return f"tracking.uri={uri!r} did not answer within {CHECK_TIMEOUT:.0f} s"
+    except (OSError, ValueError) as e:
+        reason = f"[Errno {e.errno}] {e.strerror}" if getattr(e, "errno", None) else str(e)
+        return f"tracking.uri={uri!r} cannot be used: {reason}"
+
+
 SWEEP_FILE = ".workbench-sweep.json"  # in a sweep's folder: its parent run, written by the multirun driver
 
 
@@ -142,6 +370,7 @@ class NullTracker:
     def log_many(self, lines) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def log_figure(self, figure, name: str) -> None: ...
+    def log_curves(self, history, name: str = "training_curves.png") -> None: ...
     def set_tags(self, tags: Mapping[str, Any]) -> None: ...
     def finish(self, status: str = "FINISHED") -> None: ...
     def finish_if_running(self, status: str) -> None: ...
@@ -175,22 +404,42 @@ def uri_problem(uri: str) -> str | None:
     return None
 
 
+class _Background:
+    """``fn()`` on a daemon thread; :meth:`result` waits for it and returns its value or raises its error."""
+
+    def __init__(self, fn):
+        self._value, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="workbench-tracking-setup", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._value = fn()
+        except BaseException as e:  # noqa: BLE001 - raised where the result is asked for
+            self._error = e
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 class MlflowTracker(NullTracker):
     """One MLflow run. Set-up calls (experiment, run, resume bookkeeping) are made directly; every write after
-    :meth:`start` goes through the :class:`~workbench.outbox.Outbox`, so a dead server never stalls training."""
+    :meth:`start` goes through the :class:`~workbench.outbox.Outbox`, so a dead server never stalls training.
+    ``worker=True``: MLflow runs in a worker process (:class:`WorkerStore`), off this process's core."""
 
-    def __init__(self, cfg: DictConfig):
-        import mlflow
-
+    def __init__(self, cfg: DictConfig, worker: bool = False):
         for key, value in FAST_FAIL_ENV.items():
             os.environ.setdefault(key, value)
-        self.mlflow = mlflow
         self.cfg = cfg
         self.uri = tracking_uri(cfg.tracking.uri)
         # Found before a client exists (it would raise a traceback, or create a store); reported by check().
         self.problem = uri_problem(self.uri)
-        self._client = None
+        self.store = WorkerStore(self.uri) if worker and not self.problem else Store(self.uri)
         self.run_id = None
+        self._experiment: _Background | None = None  # the experiment's id, looked up while the job builds
         self.spooled = None
         self.outbox: Outbox | None = None
         # Staged artifacts and the spool live in the run folder (a temporary one for a tracker used on its own).
@@ -200,55 +449,29 @@ class MlflowTracker(NullTracker):
 
     @property
     def client(self):
-        """Made on first use: opening a SQLite store creates it, which a refused config must not do."""
-        if self._client is None:
-            init_store(self.uri)
-            self._client = self.mlflow.MlflowClient(tracking_uri=self.uri)
-        return self._client
+        """MLflow's own client, in this process (a sweep's driver uses it directly)."""
+        return self.store.client
 
     def check(self) -> str | None:
-        """Why this run cannot be tracked (one line), found within CHECK_TIMEOUT seconds; None when it can."""
-        import threading
+        """Why this run cannot be tracked (one line), found within CHECK_TIMEOUT seconds; None when it can.
 
+        Malformed and unreachable stores are found here without MLflow; the experiment is then looked up (or made) on
+        a background thread while the job builds, and what goes wrong there is raised by :meth:`start`."""
         if not str(self.cfg.tracking.experiment_name or "").strip():  # checked before any store is opened
             return "tracking.experiment_name must not be empty"
-        if self.problem:
-            return self.problem
-        answer: list[str | None] = []
-
-        def probe() -> None:
-            try:
-                self._experiment_id()
-                answer.append(None)
-            except Exception as e:  # noqa: BLE001 - reported as one line
-                answer.append(" ".join(str(e).split()) or type(e).__name__)
-
-        thread = threading.Thread(target=probe, name="workbench-tracking-check", daemon=True)
-        thread.start()
-        thread.join(CHECK_TIMEOUT)
-        if not answer:
-            return f"tracking.uri={self.uri!r} did not answer within {CHECK_TIMEOUT:.0f} s"
-        if answer[0] is not None:
-            errno = re.search(r"\[Errno -?\d+\] [^'\")]+", answer[0])  # a connection error: its OS reason says it all
-            return f"tracking.uri={self.uri!r} cannot be used: {errno.group(0) if errno else answer[0][:300]}"
+        problem = self.problem or reachable(self.uri)
+        if problem:
+            return problem
+        self._experiment = _Background(self._experiment_id)
         return None
 
     def _experiment_id(self) -> str:
-        name = self.cfg.tracking.experiment_name
-
-        def get_or_create() -> str:
-            exp = self.client.get_experiment_by_name(name)
-            if exp is not None:
-                return exp.experiment_id
-            try:
-                return self.client.create_experiment(name)
-            except Exception:  # noqa: BLE001 - a concurrent point created it first
-                exp = self.client.get_experiment_by_name(name)
-                if exp is None:
-                    raise
-                return exp.experiment_id
-
-        return _retry(get_or_create)
+        try:
+            return self.store.experiment_id(self.cfg.tracking.experiment_name)
+        except StoreError as e:
+            errno = re.search(r"\[Errno -?\d+\] [^'\")]+", str(e))  # a connection error: its OS reason says it all
+            raise WorkbenchError(f"tracking.uri={self.uri!r} cannot be used: "
+                                 f"{errno.group(0) if errno else str(e)[:300]}") from None
 
     def start(self, tags: Mapping[str, Any], run_id: str | None = None, sweep_dir: str | None = None,
               pending: bool = False) -> None:
@@ -256,36 +479,46 @@ class MlflowTracker(NullTracker):
 
         The resolved config goes in as params and as an artifact, once. Inside a multirun sweep the run is a child of
         the sweep's parent run. `pending`: created by a launcher before its job starts (status SCHEDULED).
+        What the store refuses is raised as one line (WorkbenchError); a run it made is then ended FAILED.
         """
-        self.outbox = Outbox(self._send)
-        experiment_id = self._experiment_id()
+        try:
+            self._start(tags, run_id, sweep_dir, pending)
+        except StoreError as e:
+            message = f"tracking.uri={self.uri!r} cannot be used: {str(e)[:300]}"
+            if self.run_id is not None:  # made, then refused: never left RUNNING
+                self.set_tags({"error": message})
+                self.finish("FAILED")
+                self.run_id = None
+            raise WorkbenchError(message) from None
+
+    def _start(self, tags: Mapping[str, Any], run_id: str | None, sweep_dir: str | None, pending: bool) -> None:
+        experiment_id = self._experiment.result() if self._experiment is not None else self._experiment_id()
         all_tags = {k: scrub(str(v)) for k, v in tags.items() if v is not None}
         if run_id is None:
             parent = sweep_parent(sweep_dir) if sweep_dir else None
             if parent is not None:
                 all_tags[PARENT_TAG] = parent
-            run = _retry(lambda: self.client.create_run(experiment_id, run_name=self.cfg.tracking.run_name, tags=all_tags))
-            run_id = run.info.run_id
-            self.run_id = run_id
+            run_id = self.store.create_run(experiment_id, self.cfg.tracking.run_name, all_tags)
+            all_tags = {}
         else:
-            self.run_id = run_id
             try:
-                _retry(lambda: self.client.update_run(run_id, status="RUNNING"))
-            except self.mlflow.exceptions.MlflowException as e:
-                if e.get_http_status_code() != 404:
+                self.store.set_status(run_id, "RUNNING")
+            except StoreError as e:
+                if e.http_status != 404:
                     raise
-                self.outbox.close()
-                self.outbox = None
                 raise WorkbenchError(f"MLflow run {run_id} (of the checkpoint or launcher this job continues) is not in "
                                      f"{self.uri}; point tracking.uri at the store that holds it") from None
+        self.run_id = run_id
+        self.outbox = Outbox(self._send)
+        if all_tags:
             self.set_tags(all_tags)
         if pending:
-            _retry(lambda: self.client.update_run(run_id, status="SCHEDULED"))
+            self.store.set_status(run_id, "SCHEDULED")
             return
         # A resumed run recomputes the steps after its checkpoint (same batches, same noise): log each step once.
-        self.logged_until = logged_until(self.client, run_id)
+        self.logged_until = self.store.logged_until(run_id)
         self._replay_spool()
-        if _retry(lambda: self.client.get_run(run_id)).data.params:
+        if self.store.has_params(run_id):
             return
         container = redacted(self.cfg)
         self._put(("params", {k: str(v)[:6000] for k, v in flatten(container).items()}))
@@ -295,7 +528,7 @@ class MlflowTracker(NullTracker):
             self.log_artifact(path)
 
     def _send(self, op: tuple) -> None:
-        send(self.client, self.run_id, op)
+        self.store.send(self.run_id, op)
 
     def _put(self, op: tuple) -> None:
         """Queue a write; a tracker used on an existing run without start() (a sweep's parent) writes at once."""
@@ -322,6 +555,11 @@ class MlflowTracker(NullTracker):
             figure.savefig(Path(tmp) / name)
             self.log_artifact(Path(tmp) / name)
 
+    def log_curves(self, history, name: str = "training_curves.png") -> None:
+        """The run's training curves (workbench.plots.training_curves of `history`), drawn where they are sent."""
+        self._put(("curves", name, {"steps": list(history.steps), "loss": list(history.loss),
+                                    "epsilon": list(history.epsilon), "delta": history.delta}))
+
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         self._put(("tags", {k: scrub(str(v)) for k, v in tags.items()}))
 
@@ -329,6 +567,7 @@ class MlflowTracker(NullTracker):
         """End the run: everything queued is sent within tracking.flush_timeout seconds, else spooled to the run
         folder (``self.spooled``) for ``python -m workbench.tracking sync``. Never raises, never hangs."""
         if self.outbox is None:
+            self._close_store()
             return
         self._put(("status", status))
         # A killed job has seconds before SIGKILL follows (torchrun, SLURM): spool sooner rather than be cut off.
@@ -342,6 +581,11 @@ class MlflowTracker(NullTracker):
                         "with: python -m workbench.tracking sync %s", self.outbox.last_error, len(unsent),
                         self.spooled, self.run_folder)
         self.outbox = None
+        self._close_store()
+
+    def _close_store(self) -> None:
+        if isinstance(self.store, WorkerStore):
+            self.store.close()
 
     def flush(self) -> None:
         """Before a checkpoint: what is not in MLflow yet is also on disk, so a job killed after the checkpoint loses
@@ -372,13 +616,15 @@ class MlflowTracker(NullTracker):
     def finish_if_running(self, status: str) -> None:
         """End the run unless its job already ended it (a launcher's view after the job returned)."""
         try:
-            running = _retry(lambda: self.client.get_run(self.run_id)).info.status in ("RUNNING", "SCHEDULED")
-        except Exception:  # noqa: BLE001 - server away: end it anyway (spooled if it stays away)
+            running = self.store.status(self.run_id) in ("RUNNING", "SCHEDULED")
+        except StoreError:  # server away: end it anyway (spooled if it stays away)
             running = True
         if self.run_id is not None and running:
             self.finish(status)
-        elif self.outbox is not None:
-            self.outbox.close()
+        else:
+            if self.outbox is not None:
+                self.outbox.close()
+            self._close_store()
 
 
 def end_if_abandoned(cfg: DictConfig, run_id: str, status: str, grace: float = 5.0) -> None:
@@ -442,6 +688,14 @@ def send(client, run_id: str, op: tuple) -> None:
     elif kind == "artifact":
         client.log_artifact(run_id, op[1], op[2])
         unstage(op)
+    elif kind == "curves":
+        from types import SimpleNamespace
+
+        from workbench.plots import training_curves
+
+        with tempfile.TemporaryDirectory() as tmp:
+            training_curves(SimpleNamespace(**op[2])).savefig(Path(tmp) / op[1])
+            client.log_artifact(run_id, str(Path(tmp) / op[1]))
     elif kind == "status":  # the tag too: a launcher's run was tagged status=submitted at submission
         _retry(lambda: client.set_tag(run_id, "status", op[1].lower()))
         _retry(lambda: client.set_terminated(run_id, status=op[1]))
@@ -486,17 +740,20 @@ def make_tracker(cfg: DictConfig, is_main: bool) -> NullTracker:
     if not (cfg.tracking.enabled and is_main):
         return NullTracker()
     try:
-        return MlflowTracker(cfg)
+        # A process that has MLflow imported already (a notebook, a test) keeps it in process: a worker would only
+        # import it again. A job started from the CLI has not: its worker imports it on another core.
+        return MlflowTracker(cfg, worker="mlflow" not in sys.modules)
     except ImportError as e:
         raise WorkbenchError(f"tracking needs mlflow: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m workbench.tracking sync <run folder>``: upload what a run spooled while its server was away."""
-    import sys
-
     import argparse
 
+    if argv is None and sys.argv[1:2] == ["serve"]:  # a job's tracking worker (WorkerStore), not a user command
+        serve(sys.argv[2])
+        return 0
     parser = argparse.ArgumentParser(prog="python -m workbench.tracking")
     commands = parser.add_subparsers(dest="command", required=True)
     command = commands.add_parser("sync", help="upload what a run spooled while its tracking server was away")
