@@ -238,7 +238,10 @@ def _spawn(uri: str) -> subprocess.Popen:
     for key, value in FAST_FAIL_ENV.items():  # the worker's HTTP calls fail fast; the outbox retries them
         os.environ.setdefault(key, value)
     here = str(Path(__file__).resolve().parent.parent)  # the worker imports this very workbench
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+    # A helper, not one of the job's ranks: nothing in its environment says it is one (to torchrun, submitit, SLURM,
+    # or whoever looks for the job's ranks by their environment).
+    env = {k: v for k, v in os.environ.items() if k not in RANK_ENV and not k.startswith(RANK_ENV_PREFIXES)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.Popen([sys.executable, "-m", "workbench.tracking", "serve", uri], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, env=env)
     if not _WORKERS:
@@ -261,6 +264,9 @@ def _close_worker(proc: subprocess.Popen, timeout: float) -> None:
         proc.wait()
 
 
+RANK_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+            "MASTER_PORT")
+RANK_ENV_PREFIXES = ("SLURM_", "SUBMITIT_", "TORCHELASTIC_")
 _WORKERS: list[subprocess.Popen] = []  # every worker this process started; those still there at exit are killed
 _PRESTARTED: dict[str, subprocess.Popen] = {}
 
