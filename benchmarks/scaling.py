@@ -103,10 +103,11 @@ def distributed_scaling(s: Settings, log=print) -> dict:
     from benchmarks.throughput import fastest_mode
     from workbench import launch_distributed
 
+    full = s.mode == "full"
     configs: list[tuple[str, str]] = []  # quick mode: the MLP in its fastest mode only
-    for model_name in ("mlp", "cnn") if s.mode == "full" else ("mlp",):
-        for mode in dict.fromkeys(("hooks", fastest_mode(model_name)) if s.mode == "full" else (fastest_mode(model_name),)):
-            configs.append((model_name, mode))
+    for model_name in ("mlp", "cnn") if full else ("mlp",):
+        fast = fastest_mode(model_name)
+        configs += [(model_name, mode) for mode in dict.fromkeys(("hooks", fast) if full else (fast,))]
     steps = s.steps
     results: dict[int, list[list[dict]]] = {1: [], 2: []}
     t0 = time.perf_counter()

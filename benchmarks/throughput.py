@@ -104,14 +104,16 @@ def plain_step(model: nn.Module, criterion: nn.Module | None = None) -> Callable
 
 
 def workbench_step(model: nn.Module, mode: str | None, dist=None, check_on: Any = None,
-                   criterion: nn.Module | None = None, expected_batch: int = BATCH) -> Callable[[Any, int], None]:
+                   criterion: nn.Module | None = None, expected_batch: int = BATCH,
+                   max_physical_batch_size: int = 512) -> Callable[[Any, int], None]:
     """One step as ``Trainer.fit`` takes it; ``mode=None`` is GradientStep's non-private twin. ``check_on``: a few
     examples for the pre-run check, as ``workbench.run`` does (8); without it the first step checks 8 of its own."""
     from workbench.trainer import GradientStep
 
     gs = GradientStep(model, criterion or nn.CrossEntropyLoss(reduction="none"), dist or single_process_dist(),
                       max_grad_norm=None if mode is None else CLIP, noise_multiplier=SIGMA,
-                      grad_sample_mode=mode or "hooks", max_physical_batch_size=512, noise_seed=0)
+                      grad_sample_mode=mode or "hooks", max_physical_batch_size=max_physical_batch_size,
+                      noise_seed=0)
     if check_on is not None:
         gs.check(check_on)
     opt = torch.optim.SGD(gs.params, lr=LR)
@@ -195,12 +197,12 @@ def peak_step_bytes(step: Callable[[], None]) -> int:
 def _preset_steps(p, s: Settings) -> dict[str, Any]:
     """The figure's configurations of preset ``p``, each on its own fresh copy of the model (same weights); a
     configuration that cannot be built is a string saying why."""
+    as_run = dict(criterion=p.criterion(reduction="none"), expected_batch=p.batch_size,
+                  max_physical_batch_size=p.cfg.max_physical_batch_size)
     steps: dict[str, Any] = {"non_private": plain_step(p.model(), p.criterion(reduction="none"))}
     if s.mode == "full":
-        steps["gradient_step_twin"] = workbench_step(p.model(), None, criterion=p.criterion(reduction="none"),
-                                                     expected_batch=p.batch_size)
-    steps["ours"] = workbench_step(p.model(), "auto", check_on=p.first_examples(8),
-                                   criterion=p.criterion(reduction="none"), expected_batch=p.batch_size)
+        steps["gradient_step_twin"] = workbench_step(p.model(), None, **as_run)
+    steps["ours"] = workbench_step(p.model(), "auto", check_on=p.first_examples(8), **as_run)
     try:
         steps["opacus_ghost"] = opacus_ghost_step(p.model(), p.criterion(), len(p.dataset), p.batch_size)
     except Exception as e:  # noqa: BLE001 - said in the table: which preset Opacus cannot run, and why
