@@ -341,3 +341,135 @@ def test_cuda_step_matches_the_per_example_loop(dtype):
     for p, e in zip(step.params, expected):
         assert p.grad.is_cuda and p.grad.dtype == torch.float32
         torch.testing.assert_close(p.grad.cpu(), e, **tolerance)
+
+
+# fp16 loss scaling: the scaler's policy and its place in the contract, on CPU in float32 (a huge initial scale forces
+# the overflow that fp16 would give); the same run on CUDA in fp16 is the gpu test below.
+
+class _Lines:
+    """Records the step lines the trainer sends (a stand-in for the tracker: this tests the trainer's own logic)."""
+
+    def __init__(self):
+        self.lines = []
+
+    def log_many(self, lines):
+        self.lines += lines
+
+    def log_metrics(self, metrics, step=None):
+        self.lines.append((metrics, step))
+
+    def flush(self):
+        pass
+
+
+class _Applied:
+    """A callback: the steps whose update was applied."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, state):
+        self.steps.append(state.step)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _scaled_run(scaler, *, start_step=0, steps=4, device="cpu", autocast_dtype=None, mode="bk"):
+    """A real Trainer on a real GradientStep (noise on, sigma=1), fed fixed batches; returns what the tests read."""
+    from types import SimpleNamespace
+
+    from workbench.callbacks import CallbackList
+    from workbench.privacy import Accountant
+    from workbench.trainer import Trainer
+
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(12, 6, generator=g) * 3, torch.randint(0, 3, (12,), generator=g)) for _ in range(steps)]
+    model = _mlp().to(device)
+    d = setup("gloo")
+    step_fn = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=0.5, noise_multiplier=1.0,
+                           grad_sample_mode=mode, noise_seed=7, autocast_dtype=autocast_dtype, loss_scaler=scaler)
+    step_fn.check(batches[0])
+    optimizer = torch.optim.SGD(step_fn.params, lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    accountant = Accountant("pld", 0.1, 1.0)
+    applied, tracker = _Applied(), _Lines()
+    cfg = SimpleNamespace(disable_tqdm=True, logging_steps=1, eval_steps=0, save_steps=0)
+    trainer = Trainer(cfg, d, model, step_fn, optimizer, scheduler, batches[start_step:], lambda: {}, accountant, 1e-5,
+                      tracker, 12.0, 120, steps, start_step, lambda s: None,
+                      CallbackList([applied], model, list(model.named_parameters()), steps))
+    return SimpleNamespace(trainer=trainer, model=model, step_fn=step_fn, accountant=accountant, applied=applied,
+                           tracker=tracker, start=[p.detach().clone() for p in model.parameters()])
+
+
+def test_loss_scaler_shrinks_on_overflow_grows_after_good_steps_and_stops_shrinking_at_its_floor():
+    from workbench.trainer import LossScaler
+
+    s = LossScaler(init_scale=8.0, growth_interval=2, min_scale=2.0)
+    assert s.update(False) and s.scale == 4.0 and s.skipped_steps == 1
+    assert not s.update(True) and s.scale == 4.0
+    assert not s.update(True) and s.scale == 8.0  # two good steps in a row: grown
+    assert not s.update(True) and s.update(False) and s.scale == 4.0 and s.good_steps == 0  # an overflow resets the count
+    assert s.update(False) and s.scale == 2.0
+    assert not s.update(False) and s.scale == 2.0 and s.skipped_steps == 3  # at the floor: not skipped, not shrunk
+    with pytest.raises(WorkbenchError, match="backoff_factor"):
+        LossScaler(backoff_factor=1.0)
+    fp16 = GradientStep(_mlp(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=1.0,
+                        noise_multiplier=1.0, autocast_dtype=torch.float16)
+    assert fp16.scaler is not None and fp16.scaler.scale == 2.0 ** 16  # fp16 scales by default, like GradScaler
+    bf16 = GradientStep(_mlp(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=1.0,
+                        noise_multiplier=1.0, autocast_dtype=torch.bfloat16)
+    assert bf16.scaler is None and bf16.scale == 1.0
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_loss_scaled_updates_equal_the_unscaled_run_for_the_same_noise(mode):
+    """Loss x S, clip to C*S, noise sigma*C*S, divide by S: DP-SGD's own update, whatever S does (here it grows
+    every step), so the trained parameters equal the unscaled run's."""
+    from workbench.trainer import LossScaler
+
+    plain = _scaled_run(None, mode=mode)
+    scaled = _scaled_run(LossScaler(init_scale=2.0 ** 20, growth_interval=1), mode=mode)
+    assert plain.trainer.fit() == scaled.trainer.fit() == 4
+    assert scaled.step_fn.scale == 2.0 ** 24 and scaled.step_fn.scaler.skipped_steps == 0
+    for p, q in zip(plain.model.parameters(), scaled.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    (loss_plain, _), (loss_scaled, _) = plain.tracker.lines[0], scaled.tracker.lines[0]
+    assert loss_scaled["loss"] == pytest.approx(loss_plain["loss"], rel=1e-6)  # the logged loss is unscaled
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_an_overflowed_step_is_skipped_counted_by_the_accountant_and_logged(mode, caplog):
+    from workbench.trainer import LossScaler
+
+    # 2**200 overflows float32 as 2**16 overflows fp16; one backoff of 2**-180 brings it to 2**20
+    scaled = _scaled_run(LossScaler(init_scale=2.0 ** 200, backoff_factor=2.0 ** -180, growth_interval=2), mode=mode)
+    with caplog.at_level("WARNING", logger="workbench.trainer"):
+        assert scaled.trainer.fit() == 4
+    assert scaled.step_fn.scaler.skipped_steps == 1 and scaled.step_fn.scale == 2.0 ** 21  # shrunk once, grown once
+    assert scaled.accountant.steps == 4  # the skipped step ran the mechanism: it is spent
+    assert scaled.applied.steps == [2, 3, 4]  # no optimizer step (nor callback) for step 1
+    assert "step 1's update overflowed; skipped" in caplog.text and "loss scale lowered to 1.04858e+06" in caplog.text
+    logged = {step: metrics for metrics, step in scaled.tracker.lines}
+    assert [logged[s]["skipped_steps"] for s in (1, 2, 3, 4)] == [1.0, 1.0, 1.0, 1.0]
+    assert [logged[s]["loss_scale"] for s in (1, 2, 3, 4)] == [2.0 ** 20, 2.0 ** 20, 2.0 ** 21, 2.0 ** 21]
+    # After the skip the run is the unscaled run started at step 1 from the untouched parameters (same noise).
+    plain = _scaled_run(None, start_step=1, mode=mode)
+    plain.trainer.fit()
+    for p, q in zip(plain.model.parameters(), scaled.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_overflow_with_the_scale_at_its_floor_stops_the_run_in_one_line():
+    from workbench.errors import TrainingStopped
+    from workbench.trainer import LossScaler
+
+    scaled = _scaled_run(LossScaler(init_scale=2.0 ** 200, min_scale=2.0 ** 199))
+    with pytest.raises(TrainingStopped) as err:
+        scaled.trainer.fit()
+    assert str(err.value).startswith("training stopped at step 2: the noised update became non-finite (NaN/inf) "
+                                     "with the fp16 loss scale at its floor")
+    assert "\n" not in str(err.value)
+    assert scaled.step_fn.scaler.skipped_steps == 1 and scaled.accountant.steps == 2
