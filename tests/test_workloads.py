@@ -334,9 +334,15 @@ def test_cuda_step_matches_the_per_example_loop(dtype):
     ce = nn.functional.cross_entropy
     expected = _reference(_TwoInputs, range(len(y)), lambda m, i: ce(m(a[i:i + 1], b[i:i + 1]).logits, y[i:i + 1]), 0.5)
     d = setup("gloo")
+    from workbench.trainer import LossScaler
+
+    # fp16: a loss scale these magnitudes keep finite (the default 2**16 may overflow, and the trainer would skip the
+    # step: tested below); none for bf16 and float32
+    scaler = LossScaler(init_scale=2.0 ** 8) if dtype == torch.float16 else None
     step = GradientStep(_TwoInputs().cuda(), nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=0.5,
-                        noise_multiplier=0.0, grad_sample_mode="hooks", autocast_dtype=dtype)
+                        noise_multiplier=0.0, grad_sample_mode="hooks", autocast_dtype=dtype, loss_scaler=scaler)
     step(raw, step=0)
+    step.divide_(1.0)  # divides by the loss scale S: the clipped sum itself
     tolerance = dict(rtol=1e-4, atol=1e-5) if dtype is None else dict(rtol=5e-2, atol=2e-2)
     for p, e in zip(step.params, expected):
         assert p.grad.is_cuda and p.grad.dtype == torch.float32
@@ -473,3 +479,41 @@ def test_overflow_with_the_scale_at_its_floor_stops_the_run_in_one_line():
                                      "with the fp16 loss scale at its floor")
     assert "\n" not in str(err.value)
     assert scaled.step_fn.scaler.skipped_steps == 1 and scaled.accountant.steps == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_fp16_on_cuda_skips_an_overflow_then_follows_the_float32_run(mode):
+    """fp16's range ends at 65504: a loss scale of 2**40 overflows the half-precision backward; one backoff of 2**-30
+    brings it to 2**10. The overflowed step is skipped and counted; the rest follows the float32 run started after it
+    (same noise), to half-precision rounding."""
+    from workbench.trainer import LossScaler
+
+    scaled = _scaled_run(LossScaler(init_scale=2.0 ** 40, backoff_factor=2.0 ** -30), device="cuda",
+                         autocast_dtype=torch.float16, mode=mode)
+    assert scaled.trainer.fit() == 4
+    assert scaled.step_fn.scaler.skipped_steps == 1 and scaled.step_fn.scale == 2.0 ** 10
+    assert scaled.accountant.steps == 4 and scaled.applied.steps == [2, 3, 4]
+    assert scaled.step_fn.update.is_cuda and scaled.step_fn.update.dtype == torch.float32
+    plain = _scaled_run(None, start_step=1, device="cuda", mode=mode)
+    plain.trainer.fit()
+    for p, q in zip(plain.model.parameters(), scaled.model.parameters()):
+        assert q.is_cuda and q.dtype == torch.float32
+        torch.testing.assert_close(q, p, rtol=5e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp16_job_trains_on_cuda_and_logs_its_loss_scale(make_cfg, mlflow_uri):
+    from workbench import train
+
+    result = train(make_cfg("experiment=quick", "fp16=true", "logging_steps=1"))
+    assert next(result.model.parameters()).is_cuda
+    assert result.epsilon is not None and 0 < result.epsilon <= 8 + 1e-9
+    assert result.metrics["eval_accuracy"] > 0.8  # float32 reaches 1.0 on this data; chance is 0.1
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    scale = client.get_metric_history(result.run_id, "loss_scale")
+    skipped = client.get_metric_history(result.run_id, "skipped_steps")
+    assert len(scale) == len(skipped) == result.steps and all(m.value >= 1 for m in scale)
+    assert skipped[-1].value < result.steps  # some steps were applied
