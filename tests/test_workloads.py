@@ -308,6 +308,71 @@ def test_bf16_transformer_trains_with_dp_and_records_the_replacement(make_cfg, m
     assert result.epsilon <= 8 and result.metrics["eval_accuracy"] > 0.3  # 10 classes; learning, if slowly
 
 
+def test_lstm_trains_with_dp_through_model_target(make_cfg, mlflow_uri, capsys):
+    from workbench import train
+
+    result = train(make_cfg("data=digits", "model._target_=workbench.models.LSTMClassifier", "max_steps=30",
+                            "per_device_train_batch_size=128", "learning_rate=1.0", "privacy.target_epsilon=8",
+                            "privacy.secure_seed=1"))  # pinned: one deterministic run
+    assert "privacy.fix_model: lstm: LSTM -> DPLSTM (weights carried)" in capsys.readouterr().out
+    tags = MlflowClient(tracking_uri=mlflow_uri).get_run(result.run_id).data.tags
+    assert "LSTM -> DPLSTM" in tags["fixed_modules"]
+    assert result.steps == 30 and result.epsilon <= 8 and result.metrics["eval_accuracy"] > 0.18  # chance: 0.1
+
+
+def _frozen_encoder(weights=None):
+    from workbench.models import frozen_backbone
+
+    torch.manual_seed(3)
+    return frozen_backbone(TransformerClassifier(), weights=weights)
+
+
+def test_a_frozen_backbone_has_no_gradient_and_no_noise_and_its_head_clips_exactly():
+    model = _frozen_encoder()
+    head = [p for n, p in model.named_parameters() if n.startswith("head")]
+    assert [p for p in model.parameters() if p.requires_grad] == head
+    x, y = torch.rand(9, 64), torch.randint(0, 10, (9,))
+    ce = nn.functional.cross_entropy
+    expected = _reference(_frozen_encoder, range(len(y)), lambda m, i: ce(m(x[i:i + 1]), y[i:i + 1]), clip=0.1)
+    step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=0.1,
+                        noise_multiplier=0.0, grad_sample_mode="auto", max_physical_batch_size=4)
+    assert step.mode == "bk" and step.numel == sum(p.numel() for p in head)  # the noise's dimension: the head's
+    step.check((x, y))
+    step((x, y), step=0)
+    _assert_grads(step, expected)
+    assert all(p.grad is None for n, p in model.named_parameters() if not n.startswith("head"))
+    with pytest.raises(WorkbenchError, match="model.trainable='classifier' matches no parameter"):
+        from workbench.models import frozen_backbone
+
+        frozen_backbone(TransformerClassifier(), trainable=["classifier"])
+
+
+def test_frozen_backbone_with_pretrained_weights_trains_its_head_with_dp_and_rebuilds_from_its_checkpoint(
+        make_cfg, tmp_path):
+    from workbench import train
+    from workbench.checkpoint import load
+
+    torch.manual_seed(11)
+    pretrained = TransformerClassifier().state_dict()
+    torch.save(pretrained, tmp_path / "encoder.pt")
+    result = train(make_cfg("data=digits", "model._target_=workbench.models.frozen_backbone",
+                            "+model.model._target_=workbench.models.TransformerClassifier",
+                            f"+model.weights={tmp_path / 'encoder.pt'}", "max_steps=10",
+                            "per_device_train_batch_size=128", "learning_rate=1.0", "privacy.target_epsilon=8"))
+    assert result.epsilon <= 8 and result.steps == 10
+    trained = result.model.state_dict()
+    for name, value in pretrained.items():  # the backbone is the pre-trained one, bit for bit; the head moved
+        assert torch.equal(trained[name], value) != name.startswith("head"), name
+    rebuilt = _frozen_encoder(weights=str(tmp_path / "encoder.pt"))
+    rebuilt.load_state_dict(load(result.checkpoint)["model"])
+    x = torch.rand(5, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt.eval()(x), result.model.eval()(x))
+    with pytest.raises(WorkbenchError, match="is not a file"):
+        train(make_cfg("data=digits", "model._target_=workbench.models.frozen_backbone",
+                       "+model.model._target_=workbench.models.TransformerClassifier", "+model.weights=missing.pt"))
+
+
 def test_default_job_imports_no_hugging_face(tmp_path):
     import subprocess
     import sys
