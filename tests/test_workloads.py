@@ -582,3 +582,32 @@ def test_fp16_job_trains_on_cuda_and_logs_its_loss_scale(make_cfg, mlflow_uri):
     skipped = client.get_metric_history(result.run_id, "skipped_steps")
     assert len(scale) == len(skipped) == result.steps and all(m.value >= 1 for m in scale)
     assert skipped[-1].value < result.steps  # some steps were applied
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_loader_pins_memory_and_noise_is_drawn_on_the_device_from_the_step_stream():
+    from types import SimpleNamespace
+
+    from workbench.data import PoissonBatchSampler, train_loader, train_shard
+
+    cfg = SimpleNamespace(dataloader_num_workers=0, dataloader_pin_memory=True)
+    dataset = torch.utils.data.TensorDataset(torch.randn(64, 6), torch.randint(0, 3, (64,)))
+    shard = train_shard(64, 0, 1, "per_rank", 16)
+    (x, y), = list(train_loader(dataset, PoissonBatchSampler(shard, 1, seed=3, rank=0), cfg, torch.device("cuda")))
+    assert x.is_pinned() and y.is_pinned()  # so GradientStep's non_blocking copies are asynchronous
+    (x_cpu, _), = list(train_loader(dataset, PoissonBatchSampler(shard, 1, seed=3, rank=0), cfg, torch.device("cpu")))
+    assert not x_cpu.is_pinned()
+    sigma, clip = 1.3, 0.7
+    step = GradientStep(nn.Linear(100, 50).cuda(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"),
+                        max_grad_norm=clip, noise_multiplier=sigma, noise_seed=11)
+    samples = []
+    for s in range(20):
+        step(None, step=s)  # an empty Poisson batch: pure noise, drawn on the GPU from (noise_seed, step)
+        samples.append(step.update.clone())
+    assert all(t.is_cuda and t.dtype == torch.float32 for t in samples)
+    noise = torch.stack(samples)
+    assert float(noise.std()) == pytest.approx(sigma * clip, rel=0.02) and abs(float(noise.mean())) < 0.01
+    step(None, step=3)
+    assert torch.equal(step.update, samples[3])  # reproducible from the (secret-mixed) seed and the step alone
+    assert not torch.equal(samples[3], samples[4])

@@ -105,6 +105,8 @@ class GradientStep:
                                  "computed from the per-sample gradients its norms were; use bk or hooks")
         numel = sum(p.numel() for p in self.params)
         device = self.params[0].device
+        if autocast_dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise WorkbenchError(f"bf16=true: {torch.cuda.get_device_name(device)} has no bfloat16; use fp16=true")
         # Gradient sum, then [loss sum, example count]: the step's one collective carries all three.
         self.flat = torch.zeros(numel + 2, device=device, dtype=self.params[0].dtype)
         self.grad_views, offset = [], 0
