@@ -345,8 +345,8 @@ class Trainer:
         if bool(torch.stack(finite).all()):
             return
         what = "the noised update" if not bool(finite[0]) else "the parameters"
-        scaler = getattr(self.step_fn, "scaler", None)
-        floor = f" with the fp16 loss scale at its floor {scaler.scale:g}" if scaler is not None else ""
+        scaler = getattr(self.step_fn, "scaler", None)  # an applied non-finite update: the scale was at its floor
+        floor = f" with the fp16 loss scale at its floor {scaler.scale:g}" if scaler and not bool(finite[0]) else ""
         raise TrainingStopped(f"training stopped at step {step}: {what} became non-finite (NaN/inf){floor}; try a "
                               "lower learning_rate, and check the data for NaN/inf; checkpoints of earlier steps are kept")
 
