@@ -48,9 +48,12 @@ class LossScaler:
     all-reduced) update alone: post-processing, identical on every rank. A skipped step still ran the mechanism, so the
     accountant counts it. S grows after ``growth_interval`` applied steps in a row; at ``min_scale`` a non-finite update
     is not an overflow of the scale, and the trainer stops on it as on any other.
+
+    S starts at 2**10, not GradScaler's 2**16: each example's loss is summed, not averaged over the batch, so the
+    gradient at the logits reaches S itself, and 2**16 is fp16's largest value (65504); a skipped step costs privacy.
     """
 
-    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+    def __init__(self, init_scale: float = 2.0 ** 10, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, min_scale: float = 1.0):
         if not (growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1 and 0 < min_scale <= init_scale):
             raise WorkbenchError("loss scaler: need growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1 "
