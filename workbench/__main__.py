@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import gc
 
-gc.disable()  # start-up only makes objects that live as long as the job; workbench.run resumes collection for training
+if __name__ == "__main__":  # the CLI's process only, not one that imports this module (a test)
+    gc.disable()  # start-up makes objects that live as long as the job; workbench.run resumes collection for training
 
 import logging
 import os
