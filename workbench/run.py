@@ -137,6 +137,8 @@ def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | 
         return result
     except BaseException as e:
         ignore_further()
+        if tracker is not None:
+            tracker.settle()
         status = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED"
         if isinstance(e, Interrupted):
             e.output_dir = cfg.output_dir

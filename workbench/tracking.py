@@ -208,6 +208,8 @@ class WorkerStore:
         self.uri = uri
         self._lock = threading.Lock()
         self._proc = _adopt_prestarted(uri) or _spawn(uri)
+        self._used = False  # a worker that was asked something may be writing to the store: it is never killed
+        _STORES.append(self)
 
     def __getattr__(self, name: str):
         if name not in STORE_CALLS:
@@ -218,6 +220,7 @@ class WorkerStore:
         with self._lock:
             if self._proc.poll() is not None:
                 self._proc = _spawn(self.uri)
+            self._used = True
             try:
                 pickle.dump((name, args), self._proc.stdin)
                 self._proc.stdin.flush()
@@ -244,11 +247,12 @@ def _spawn(uri: str) -> subprocess.Popen:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.Popen([sys.executable, "-m", "workbench.tracking", "serve", uri], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, env=env)
-    if not _WORKERS:
+    global _AT_EXIT
+    if not _AT_EXIT:
         import atexit
 
-        atexit.register(_kill_workers)
-    _WORKERS.append(proc)
+        atexit.register(_end_workers)
+        _AT_EXIT = True
     return proc
 
 
@@ -267,7 +271,8 @@ def _close_worker(proc: subprocess.Popen, timeout: float) -> None:
 RANK_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
             "MASTER_PORT")
 RANK_ENV_PREFIXES = ("SLURM_", "SUBMITIT_", "TORCHELASTIC_")
-_WORKERS: list[subprocess.Popen] = []  # every worker this process started; those still there at exit are killed
+_AT_EXIT = False
+_STORES: list[WorkerStore] = []  # every worker store of this process: ended at exit if its tracker did not end it
 _PRESTARTED: dict[str, subprocess.Popen] = {}
 
 
@@ -283,13 +288,16 @@ def _adopt_prestarted(uri: str) -> subprocess.Popen | None:
     return proc if proc is not None and proc.poll() is None else None
 
 
-def _kill_workers() -> None:
-    """At exit: a worker still there was never used (a refused job) or its job failed; every call it answered is
-    already in the store."""
-    for proc in _WORKERS:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+def _end_workers() -> None:
+    """At exit (a refused or failed job): a worker never asked anything is killed at once; one that was may be in the
+    middle of a store write, so it is let finish its call and leave (killed only after CHECK_TIMEOUT seconds)."""
+    for proc in _PRESTARTED.values():
+        proc.kill()
+    for store in _STORES:
+        if store._used:
+            _close_worker(store._proc, CHECK_TIMEOUT)
+        else:
+            store._proc.kill()
 
 
 def serve(uri: str) -> None:
@@ -371,6 +379,7 @@ class NullTracker:
     spooled: Path | None = None  # where unsent tracking calls went, when the server was away at the end
 
     def check(self) -> str | None: ...
+    def settle(self) -> None: ...
     def start(self, *args, **kwargs) -> None: ...
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None: ...
     def log_many(self, lines) -> None: ...
@@ -470,6 +479,15 @@ class MlflowTracker(NullTracker):
             return problem
         self._experiment = _Background(self._experiment_id)
         return None
+
+    def settle(self) -> None:
+        """Wait for the lookup check() began (its error is start()'s to raise): a job refused meanwhile leaves the
+        store whole, never in the middle of a write."""
+        if self._experiment is not None:
+            try:
+                self._experiment.result()
+            except Exception:  # noqa: BLE001
+                pass
 
     def _experiment_id(self) -> str:
         try:
