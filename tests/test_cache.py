@@ -1,6 +1,7 @@
 """workbench.cache: a stored value comes back only for the very same inputs; the digits read without scikit-learn
 split exactly as scikit-learn splits them."""
 
+import pytest
 import torch
 
 from workbench import cache
@@ -52,3 +53,20 @@ def test_digits_split_equals_scikit_learn_and_survives_the_cache(tmp_path, monke
         assert torch.equal(train[1], torch.tensor(y_tr)) and torch.equal(evaluation[1], torch.tensor(y_ev))
         assert torch.equal(evaluation[0], torch.tensor(x_ev / 16.0, dtype=torch.float32))
     assert len(list(tmp_path.glob("digits_split-*.json"))) == 1
+
+
+def test_a_rerun_reads_its_epsilon_schedule_back_equal_to_a_fresh_computation(tmp_path, monkeypatch):
+    from workbench.privacy import Accountant, EpsilonSchedule
+
+    monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path))
+    steps = [10, 20]
+    first = EpsilonSchedule(Accountant("pld", 0.1, 1.2), 1e-5, steps)
+    values = [first.get(s) for s in steps]
+    assert len(list(tmp_path.glob("epsilon-*.json"))) == 2
+    rerun = Accountant("pld", 0.1, 1.2)
+    rerun._compute_epsilon = lambda *a: pytest.fail("recomputed instead of read back")
+    assert [EpsilonSchedule(rerun, 1e-5, steps).get(s) for s in steps] == values
+    other = Accountant("pld", 0.1, 1.3)  # another mechanism: its own entries
+    assert EpsilonSchedule(other, 1e-5, steps).get(20) < values[1]
+    assert values == [Accountant("pld", 0.1, 1.2).epsilon(s, 1e-5) for s in steps]  # fresh, nothing on disk read
+    assert len(list(tmp_path.glob("epsilon-*.json"))) == 4

@@ -221,15 +221,23 @@ class Accountant:
     def event(self, steps: int) -> dp_accounting.DpEvent:
         return dp_event(self.sample_rate, self.noise_multiplier, steps, self.world_size, self.shard)
 
-    def epsilon(self, steps: int, delta: float) -> float:
-        """Epsilon after ``steps`` logical steps at ``delta`` (an upper bound; ``inf`` when sigma is 0)."""
+    def epsilon(self, steps: int, delta: float, on_disk: bool = False) -> float:
+        """Epsilon after ``steps`` logical steps at ``delta`` (an upper bound; ``inf`` when sigma is 0).
+        ``on_disk``: also kept in workbench's on-disk cache, so that a rerun of the same job reads it back."""
         if not (_is_int(steps) and steps >= 0):
             raise WorkbenchError(f"steps must be an integer >= 0, got {steps!r}")
         if not (_is_real(delta) and 0 < delta < 1):
             raise WorkbenchError(f"delta must be in (0, 1), got {delta!r}")
         key = (int(steps), float(delta))
         if key not in self._cache:
-            self._cache[key] = self._compute_epsilon(*key)
+            if on_disk and steps > 0 and self.noise_multiplier > 0:
+                from workbench import cache
+
+                mechanism = {k: v for k, v in self.state_dict().items() if k != "steps"}
+                self._cache[key] = cache.cached("epsilon", lambda: self._compute_epsilon(*key), **mechanism,
+                                                steps=key[0], delta=key[1], code=code_version())
+            else:
+                self._cache[key] = self._compute_epsilon(*key)
         return self._cache[key]
 
     def _compute_epsilon(self, steps: int, delta: float) -> float:
@@ -237,15 +245,6 @@ class Accountant:
             return 0.0
         if self.noise_multiplier == 0:
             return math.inf
-        # A PLD composition is 0.1-0.5 s (and the scipy import under it): a rerun of the same job reads its
-        # epsilons -- the schedule it logs, the budget, the final one -- from the on-disk cache.
-        from workbench import cache
-
-        mechanism = {k: v for k, v in self.state_dict().items() if k != "steps"}
-        return cache.cached("epsilon", lambda: self._epsilon_uncached(steps, delta), **mechanism, steps=steps,
-                            delta=delta, code=code_version())
-
-    def _epsilon_uncached(self, steps: int, delta: float) -> float:
         if self.kind == "pld":
             return float(self.pld(steps).get_epsilon_for_delta(delta))
         if self.kind == "rdp":
@@ -366,7 +365,9 @@ class EpsilonSchedule:
     def _work(self) -> None:
         for step in self.steps:
             try:
-                value = self.accountant.epsilon(step, self.delta)
+                # A PLD composition is 0.1-0.5 s (and scipy's import under the first): a rerun of the same job reads
+                # its schedule, the final epsilon included, from workbench's on-disk cache.
+                value = self.accountant.epsilon(step, self.delta, on_disk=True)
             except BaseException as e:  # noqa: BLE001 - re-raised where a value is asked for
                 with self._done:
                     self._error = e
