@@ -172,7 +172,8 @@ def _prestart_tracking(configs: list[DictConfig]) -> None:
     """One job whose rank 0 tracks: its MLflow worker process starts now, importing MLflow on another core while this
     one imports torch and builds the job (workbench.tracking.WorkerStore)."""
     rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
-    if len(configs) == 1 and rank in (None, "", "0") and configs[0].tracking.enabled:
+    multirun = "-m" in sys.argv[1:] or "--multirun" in sys.argv[1:]  # its driver tracks in process (workbench.sweep)
+    if len(configs) == 1 and not multirun and rank in (None, "", "0") and configs[0].tracking.enabled:
         from workbench.tracking import prestart, tracking_uri
 
         prestart(tracking_uri(configs[0].tracking.uri))
