@@ -229,15 +229,15 @@ class Accountant:
         if not (_is_real(delta) and 0 < delta < 1):
             raise WorkbenchError(f"delta must be in (0, 1), got {delta!r}")
         key = (int(steps), float(delta))
-        if key not in self._cache:
-            if on_disk and steps > 0 and self.noise_multiplier > 0:
-                from workbench import cache
+        if on_disk and steps > 0 and self.noise_multiplier > 0:  # written even when known here (the budget search)
+            from workbench import cache
 
-                mechanism = {k: v for k, v in self.state_dict().items() if k != "steps"}
-                self._cache[key] = cache.cached("epsilon", lambda: self._compute_epsilon(*key), **mechanism,
-                                                steps=key[0], delta=key[1], code=code_version())
-            else:
-                self._cache[key] = self._compute_epsilon(*key)
+            mechanism = {k: v for k, v in self.state_dict().items() if k != "steps"}
+            self._cache[key] = cache.cached(
+                "epsilon", lambda: self._cache[key] if key in self._cache else self._compute_epsilon(*key),
+                **mechanism, steps=key[0], delta=key[1], code=code_version())
+        elif key not in self._cache:
+            self._cache[key] = self._compute_epsilon(*key)
         return self._cache[key]
 
     def _compute_epsilon(self, steps: int, delta: float) -> float:

@@ -355,7 +355,7 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
     summary = {"steps": steps, "sample_rate": job["shard"].sample_rate, "world_size": d.world_size}
     epsilon = None
     if accountant is not None:
-        epsilon = accountant.epsilon(steps, delta)
+        epsilon = accountant.epsilon(steps, delta, on_disk=True)  # the schedule's last value, read back on a rerun
         summary.update(epsilon=epsilon, delta=delta, noise_multiplier=job["sigma"])
     found = None
     if canaries:

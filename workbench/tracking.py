@@ -318,9 +318,10 @@ def serve(uri: str) -> None:
     import select
 
     store, requests = Store(uri), sys.stdin.buffer
-    idle_imports = ["workbench.plots"]  # the closing figure's matplotlib: once no call is waiting (the job trains)
+    # The closing figure's matplotlib, once the run exists and no call is waiting: while the job trains.
+    idle_imports, run_made = ["workbench.plots"], False
     while True:
-        if idle_imports and not select.select([requests], [], [], 0)[0]:
+        if run_made and idle_imports and not select.select([requests], [], [], 0)[0]:
             __import__(idle_imports.pop())
             continue
         try:
@@ -328,6 +329,7 @@ def serve(uri: str) -> None:
         except EOFError:  # every call is answered: leave without the interpreter's teardown (a second of CPU)
             sys.stderr.flush()
             os._exit(0)
+        run_made = run_made or name in ("create_run", "set_status")
         try:
             reply = (True, getattr(store, name)(*args))
         except StoreError as e:
