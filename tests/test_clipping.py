@@ -77,7 +77,7 @@ class _WideConv(nn.Module):
     def __init__(self):
         super().__init__()
         self.c, self.head = nn.Conv2d(8, 16, 3), nn.Linear(16, 3)
-        assert ConvRule().use_gram(self.c, 4)
+        assert ConvRule().use_gram(self.c, 4) and ConvRule.keeps(self.c, torch.zeros(1, 8, 4, 4), torch.zeros(1, 16, 2, 2))
 
     def forward(self, x):
         return self.head(torch.tanh(self.c(x.view(len(x), 8, 4, 4))).mean((2, 3)))
