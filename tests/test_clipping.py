@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from workbench.clipping import fastest_grad_sample_mode
-from workbench.clipping.layers import ConvRule
+from workbench.clipping.layers import ConvRule, LinearRule
 from workbench.distributed import setup
 from workbench.errors import WorkbenchError
 from workbench.models import TinyTransformer
@@ -72,15 +72,32 @@ class _Conv(nn.Module):
 
 
 class _WideConv(nn.Module):
-    """Many channels on few positions: the conv rule takes the Gram-matrix route here (the others form gradients)."""
+    """Many channels on few positions: the conv rule keeps (a, g) (smaller than per-sample gradients), its norms by
+    the Gram-matrix route at 2x2 output positions, from per-sample gradients formed in chunks at 4x4 (the others form
+    per-sample gradients at once)."""
+
+    def __init__(self, side=4):
+        super().__init__()
+        self.c, self.head, self.side = nn.Conv2d(8, 16, 3), nn.Linear(16, 3), side
+        a, g = torch.zeros(1, 8, side, side), torch.zeros(1, 16, side - 2, side - 2)
+        assert ConvRule.keeps(self.c, a, g) and ConvRule().use_gram(self.c, (side - 2) ** 2) == (side == 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.c(x.view(len(x), 8, self.side, self.side))).mean((2, 3)))
+
+
+class _BothRoutes(nn.Module):
+    """One Linear called on a sequence (per-sample gradients formed at once) and on one row per example (kept)."""
 
     def __init__(self):
         super().__init__()
-        self.c, self.head = nn.Conv2d(8, 16, 3), nn.Linear(16, 3)
-        assert ConvRule().use_gram(self.c, 4) and ConvRule.keeps(self.c, torch.zeros(1, 8, 4, 4), torch.zeros(1, 16, 2, 2))
+        self.fc, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+        x = torch.zeros(1, 3, 4)
+        assert not LinearRule.keeps(self.fc, x, x) and LinearRule.keeps(self.fc, x[:, 0], x[:, 0])
 
     def forward(self, x):
-        return self.head(torch.tanh(self.c(x.view(len(x), 8, 4, 4))).mean((2, 3)))
+        x = x.view(len(x), 3, 4)
+        return self.head(torch.tanh(self.fc(x)).mean(1) + self.fc(x[:, 0]))
 
 
 class _Norms(nn.Module):
@@ -140,7 +157,9 @@ CASES = {
     "conv2d_strided_dilated_groups_nobias": (lambda: _Conv(2, groups=2, stride=2, dilation=2, padding=2, bias=False),
                                             lambda: _floats(9, 72)),
     "conv2d_same_circular": (lambda: _Conv(2, padding="same", padding_mode="circular"), lambda: _floats(9, 72)),
-    "conv2d_gram": (_WideConv, lambda: _floats(9, 128)),
+    "conv2d_kept_gram": (_WideConv, lambda: _floats(9, 128)),
+    "conv2d_kept": (lambda: _WideConv(side=6), lambda: _floats(9, 288)),
+    "linear_both_routes": (_BothRoutes, lambda: _floats(9, 12)),
     "layernorm_rmsnorm_frozen_weight": (_Norms, lambda: _floats(9, 12)),
     "lora": (_LoRA, lambda: _ids(vocab=9)),
     "tiny_transformer": (lambda: TinyTransformer(vocab=11, max_len=6, d_model=8, heads=2, num_classes=3),
