@@ -1,13 +1,12 @@
 """Book-keeping per-sample clipping (Bu et al., 2023): one forward, one backward, no weight gradients of the batch.
 
-The forward keeps each trainable layer's input a and puts a tap (an identity autograd node) on its output z; one
-backward, asked for the gradient of a dummy leaf that only the taps touch, runs every node between the loss and the
-taps but computes no weight gradient, and hands each tap's g = dL/dz to the layer's rule
-(:mod:`workbench.clipping.layers`: Linear, Embedding, Conv1d/2d, LayerNorm/RMSNorm, GroupNorm; biases and frozen
-parameters included) as it arrives. The rule either forms that call's per-sample gradients at once and lets a and g go,
-or keeps (a, g) (whichever holds less memory); from either, per-sample squared norms per layer, their sum over layers,
-the clip factors f_i, and sum_i f_i grad_i into the buffer. A layer called more than once (or on a sequence (B, T, d))
-is exact: its calls are summed per example before norms.
+The forward keeps each trainable layer's input a; one backward computes the gradient g = dL/dz at each layer output z
+and no weight gradient. Each layer's rule (:mod:`workbench.clipping.layers`: Linear, Embedding, Conv1d/2d,
+LayerNorm/RMSNorm, GroupNorm; biases and frozen parameters included) takes, per call, whichever route holds less
+memory: its per-sample gradients, formed as g arrives (a tap -- an identity autograd node -- on z hands g over during
+the backward, and a and g are let go), or (a, g) kept, the backward returning g. Then per-sample squared norms per
+layer, their sum over layers, the clip factors f_i, and sum_i f_i grad_i into the buffer. A layer called more than
+once (or on a sequence (B, T, d)) is exact: its calls are summed per example before norms.
 
 It relies on what every per-sample mode relies on -- a layer's input rows are examples, one loss per example -- and on
 seeing every use of a weight. :meth:`BookKeeping.check` verifies this on a real batch before training.
@@ -19,6 +18,7 @@ import functools
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from workbench.clipping.base import LossFn, Strategy, check_tolerance, clip_factors, require_own
 from workbench.clipping.layers import _squares, rule_for
@@ -78,62 +78,73 @@ class BookKeeping(Strategy):
         self.checked = False
         self._anchor = torch.zeros((), requires_grad=True)  # the leaf the backward is asked for: only taps reach it
         self._arrived: dict | None = None  # during a backward: layer -> [per-sample gradients or None, kept calls]
-        self._collect = False  # the check's backward: keep every call's (a, g)
         self._n = 0
 
-    def _run(self, batch, loss_fn: LossFn) -> torch.Tensor:
-        """Forward with a tap on each trainable layer's output; returns the per-example losses."""
+    def _run(self, batch, loss_fn: LossFn, collect: bool):
+        """Forward with the recording hooks. A call whose rule keeps (a, g) (all calls when ``collect``: the check
+        reads them) is recorded with its output's autograd edge, for the backward to return its g; the others get a
+        tap, which forms their per-sample gradients during the backward. Returns the per-example losses and the kept
+        calls (layer, a, edge)."""
+        kept: list[tuple[nn.Module, torch.Tensor, object]] = []
         taps = 0
 
-        def tap(m, args, kwargs, out):
+        def record(m, args, kwargs, out):
             nonlocal taps
             if not out.requires_grad:
                 raise WorkbenchError("grad_sample_mode=bk: gradients are disabled in the model's forward (no_grad?)")
-            taps += 1
             a = _input(args, kwargs).detach()
+            if collect or self.rules[m].keeps(m, a, out):  # g has the output's shape
+                kept.append((m, a, get_gradient_edge(out)))
+                return None
+            taps += 1
             return _Tap.apply(out, self._anchor, functools.partial(self._arrive, m, a))
 
-        handles = [m.register_forward_hook(tap, with_kwargs=True) for m in self.layers]
+        handles = [m.register_forward_hook(record, with_kwargs=True) for m in self.layers]
         try:
             losses = loss_fn(self.module, batch)
         finally:
             for h in handles:
                 h.remove()
-        if not taps:
+        if not kept and not taps:
             raise WorkbenchError("grad_sample_mode=bk: no trainable layer ran in the model's forward")
-        return losses
+        return losses, kept, taps
 
-    def _arrive(self, m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> None:
-        """One layer call's (a, g), during the backward."""
-        arrived = self._arrived
-        if arrived is None:
-            return
+    def _batch_first(self, m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> None:
         if a.shape[0] != self._n or g.shape[0] != self._n:
             raise WorkbenchError(f"grad_sample_mode=bk needs each layer's input to keep the batch as dim 0: "
                                  f"layer {self.layer_names[m]!r} ({type(m).__name__}) got {tuple(a.shape)} for a "
                                  f"batch of {self._n} (flattened or time-major?); reshape it to (batch, ..., features)")
-        entry = arrived.get(m)
+
+    def _arrive(self, m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> None:
+        """A tapped call's g, during the backward: its per-sample gradients, added to the layer's."""
+        if self._arrived is None:
+            return
+        self._batch_first(m, a, g)
+        entry = self._arrived.get(m)
         if entry is None:
-            entry = arrived[m] = [None, []]
-        rule = self.rules[m]
-        if self._collect or rule.keeps(m, a, g):
-            entry[1].append((a, g))
-        elif entry[0] is None:
-            entry[0] = rule.per_sample(m, a, g)
+            entry = self._arrived[m] = [None, []]
+        if entry[0] is None:
+            entry[0] = self.rules[m].per_sample(m, a, g)
         else:  # a reused layer: its calls' per-sample gradients add up
-            for name, t in rule.per_sample(m, a, g).items():
+            for name, t in self.rules[m].per_sample(m, a, g).items():
                 entry[0][name].add_(t)
 
     def _backward(self, batch, loss_fn: LossFn, retain: bool, collect: bool):
-        """The forward and the one backward; returns the losses and, per layer, [per-sample gradients, kept calls]."""
-        losses = self._run(batch, loss_fn)
-        self._arrived, self._collect, self._n = {}, collect, len(losses)
+        """The forward and the one backward; returns the losses and, per layer, [per-sample gradients or None, kept
+        calls (a, g)]."""
+        losses, kept, taps = self._run(batch, loss_fn, collect)
+        self._arrived, self._n = {}, len(losses)
         try:
             if losses.requires_grad:
-                torch.autograd.grad(losses.sum(), self._anchor, retain_graph=retain, allow_unused=True)
+                edges = [edge for _, _, edge in kept] + ([get_gradient_edge(self._anchor)] if taps else [])
+                grads = torch.autograd.grad(losses.sum(), edges, retain_graph=retain, allow_unused=True)
+                for (m, a, _), g in zip(kept, grads):
+                    if g is not None:  # None: this output did not reach the loss
+                        self._batch_first(m, a, g)
+                        self._arrived.setdefault(m, [None, []])[1].append((a, g))
             return losses, self._arrived
         finally:
-            self._arrived, self._collect = None, False
+            self._arrived = None
 
     def check(self, batch, loss_fn: LossFn) -> None:
         """On a real batch, in the model's training mode: each example's row of bk must be that example's own gradient

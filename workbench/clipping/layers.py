@@ -30,7 +30,7 @@ Calls = list[tuple[torch.Tensor, torch.Tensor]]  # (layer input a, gradient g of
 
 
 def trainable(m: nn.Module) -> list[str]:
-    return [name for name, p in m.named_parameters(recurse=False) if p.requires_grad]
+    return [name for name, p in m._parameters.items() if p is not None and p.requires_grad]  # no generator: per call
 
 
 def _norm_dtype(t: torch.Tensor) -> torch.dtype:
@@ -61,7 +61,7 @@ def _per_example(t: torch.Tensor) -> int:
 
 def smaller_kept(m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> bool:
     """Whether holding a and g costs less memory than m's trainable per-sample gradients."""
-    return _per_example(a) + _per_example(g) < sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad)
+    return _per_example(a) + _per_example(g) < sum(getattr(m, name).numel() for name in trainable(m))
 
 
 class Materialised:
