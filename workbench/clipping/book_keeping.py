@@ -21,7 +21,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from workbench.clipping.base import LossFn, Strategy, check_tolerance, clip_factors, require_own
-from workbench.clipping.layers import _squares, rule_for
+from workbench.clipping.layers import rule_for, squares, weighted_sum
 from workbench.errors import WorkbenchError
 
 
@@ -196,7 +196,7 @@ class BookKeeping(Strategy):
                     for name, t in rule.per_sample(m, a, g).items():
                         per_sample[name].add_(t)
                 for t in per_sample.values():
-                    norms2.add_(_squares(t))
+                    norms2.add_(squares(t))
             elif calls:
                 state = rule.prepare(m, calls, n)
                 norms2.add_(rule.norms2(m, state, n))
@@ -204,12 +204,8 @@ class BookKeeping(Strategy):
         factor = clip_factors(norms2.sqrt_(), self.clip)
         for m, (per_sample, _) in arrived.items():
             for name, t in (per_sample or {}).items():
-                view = view_of[id(getattr(m, name))].view(-1)
-                rows = t.reshape(n, -1).t()
-                if rows.dtype == view.dtype:
-                    view.addmv_(rows, factor)
-                else:  # the sum in float32 at least, cast when added
-                    view.add_(rows @ factor.to(rows.dtype))
+                view = view_of[id(getattr(m, name))]
+                view.add_(weighted_sum(t, factor.to(t.dtype)))  # in float32 at least, cast when added
         for rule, m, state in kept:
             rule.add_clipped(m, state, factor, view_of)
         return losses.detach()

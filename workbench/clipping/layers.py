@@ -42,9 +42,17 @@ def _precise(t: torch.Tensor) -> torch.Tensor:
     return t.to(_norm_dtype(t)) if t.is_floating_point() else t
 
 
-def _squares(t: torch.Tensor) -> torch.Tensor:
-    """(n, ...) -> (n,) sums of squares in float32 at least."""
-    return torch.linalg.vector_norm(t.reshape(len(t), -1), dim=1, dtype=_norm_dtype(t)).square_()  # no temporary
+def squares(t: torch.Tensor) -> torch.Tensor:
+    """(n, ...) -> (n,) sums of squares in float32 at least (strided t read in place: no copy)."""
+    return torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim())), dtype=_norm_dtype(t)).square_()
+
+
+def weighted_sum(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """sum_i factor_i t_i for per-sample gradients t (n, *shape), one matrix-vector product (t may be a transposed
+    view, as the Linear rule forms it)."""
+    if t.dim() == 3 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous():
+        return torch.mv(t.transpose(1, 2).reshape(len(t), -1).t(), factor).view(t.shape[2], t.shape[1]).t()
+    return torch.mv(t.reshape(len(t), -1).t(), factor).view(t.shape[1:])
 
 
 def _cat(ts: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -59,9 +67,13 @@ def _per_example(t: torch.Tensor) -> int:
     return t.numel() // max(1, len(t))
 
 
+PER_SAMPLE_IF = 2.0  # per-sample gradients formed where they take at most this many times the memory of a and g
+
+
 def smaller_kept(m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> bool:
-    """Whether holding a and g costs less memory than m's trainable per-sample gradients."""
-    return _per_example(a) + _per_example(g) < sum(getattr(m, name).numel() for name in trainable(m))
+    """Whether holding a and g costs clearly less memory than m's trainable per-sample gradients (forming those saves
+    the clipped sum's weight-gradient kernel: within a margin they are worth their memory)."""
+    return PER_SAMPLE_IF * (_per_example(a) + _per_example(g)) < sum(getattr(m, name).numel() for name in trainable(m))
 
 
 class Materialised:
@@ -96,10 +108,18 @@ class LinearRule:
         n = len(a)
         a, g = _precise(a).reshape(n, -1, a.shape[-1]), _precise(g).reshape(n, -1, g.shape[-1])
         names = trainable(m)
-        out = {"weight": torch.bmm(g.transpose(1, 2), a)} if "weight" in names else {}
+        out = {"weight": LinearRule._weights(a, g)} if "weight" in names else {}
         if "bias" in names:
             out["bias"] = g.sum(1)
         return out
+
+    @staticmethod
+    def _weights(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """(n, d_out, d_in) per-sample weight gradients sum_t g_t a_t^T of (n, T, d) inputs, one batched matmul with
+        the narrower side as rows (measured up to 5x faster on small matrices); then a transposed view."""
+        if a.shape[-1] <= g.shape[-1]:
+            return torch.bmm(a.transpose(1, 2), g).transpose(1, 2)
+        return torch.bmm(g.transpose(1, 2), a)
 
     @staticmethod
     def prepare(m, calls: Calls, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,9 +137,9 @@ class LinearRule:
             return out.add_(gg) if "bias" in names else out
         out = torch.zeros(n, device=g.device, dtype=dtype)
         if "weight" in names:
-            out.add_(_squares(torch.bmm(g.transpose(1, 2), a)))
+            out.add_(squares(self._weights(a, g)))
         if "bias" in names:
-            out.add_(_squares(g.sum(1)))
+            out.add_(squares(g.sum(1)))
         return out
 
     def add_clipped(self, m, state, factor, view_of):
@@ -259,10 +279,10 @@ class ConvRule:
                     g = g.to(torch.float64)
                     out[s:s + step] = (u.transpose(-1, -2) @ u).mul_(g.transpose(-1, -2) @ g).sum((1, 2, 3)).to(dtype)
                 else:
-                    out[s:s + step] = _squares(sum(self._weight_grad(m, x, padding, g, len(g)).view(len(g), -1)
+                    out[s:s + step] = squares(sum(self._weight_grad(m, x, padding, g, len(g)).view(len(g), -1)
                                                    for x, padding, g in chunk))
         if "bias" in names:
-            out.add_(_squares(sum(g.flatten(2).sum(-1) for _, _, g in state)))
+            out.add_(squares(sum(g.flatten(2).sum(-1) for _, _, g in state)))
         return out
 
     def add_clipped(self, m, state, factor, view_of):
