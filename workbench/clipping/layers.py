@@ -67,7 +67,7 @@ def _per_example(t: torch.Tensor) -> int:
     return t.numel() // max(1, len(t))
 
 
-PER_SAMPLE_IF = 2.0  # per-sample gradients formed where they take at most this many times the memory of a and g
+PER_SAMPLE_IF = 1.0  # per-sample gradients formed where they take at most this many times the memory of a and g
 
 
 def smaller_kept(m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> bool:
