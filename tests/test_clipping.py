@@ -270,3 +270,37 @@ def test_a_layer_without_parameters_that_mixes_examples_is_refused_before_traini
                         noise_multiplier=0.0, grad_sample_mode="auto")
     with pytest.raises(WorkbenchError, match="mixes examples"):
         step.check((torch.randn(9, 6), torch.randint(0, 3, (9,))))
+
+
+class _PerSampleRoutes(nn.Module):
+    """Conv2d, GroupNorm, a Linear on a sequence and a LayerNorm: each forms its per-sample gradients during the
+    backward (the route that lets a and g go); only the head keeps (a, g)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.gn = nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4)
+        self.fc, self.ln, self.head = nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 3)
+        x, h = torch.zeros(1, 2, 6, 6), torch.zeros(1, 36, 4)
+        assert not ConvRule.keeps(self.conv, x, self.conv(x)) and not LinearRule.keeps(self.fc, h, h)
+
+    def forward(self, x):
+        h = torch.relu(self.gn(self.conv(x.view(len(x), 2, 6, 6)))).flatten(2).transpose(1, 2)  # (B, 36, 4)
+        return self.head(self.ln(torch.tanh(self.fc(h))).mean(1))
+
+
+def test_per_sample_route_contributions_never_exceed_the_bound_in_bf16():
+    """Under bf16 autocast, each example's contribution through the per-sample route has norm <= C up to float32
+    rounding (norms, factors and the sum are float32 and come from the very per-sample gradients summed), and it
+    was clipped; the batch's sum is within n C."""
+    torch.manual_seed(0)
+    clip = 1e-3  # every example is clipped
+    step = GradientStep(_PerSampleRoutes(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=clip,
+                        noise_multiplier=0.0, grad_sample_mode="bk", autocast_dtype=torch.bfloat16)
+    x, y = _floats(8, 72) * 3, torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(4))
+    step.check((x, y))
+    for i in range(len(y)):
+        step((x[i:i + 1], y[i:i + 1]), step=0)
+        norm = float(torch.cat([p.grad.flatten() for p in step.params]).norm())
+        assert clip * 0.99 <= norm <= clip * (1 + 1e-5)
+    step((x, y), step=1)
+    assert float(torch.cat([p.grad.flatten() for p in step.params]).norm()) <= len(y) * clip * (1 + 1e-5)
