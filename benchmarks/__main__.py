@@ -21,8 +21,9 @@ FIGURES = ("dp_vs_nonprivate", "vs_opacus", "distributed_scaling", "scaling_vs_d
 def _summary(name: str, fig: dict) -> dict[str, float]:
     """A few positive headline numbers per figure (what tests check is present and positive)."""
     if name == "dp_vs_nonprivate":
-        return {f"{m}/{row}/{k}": v[k] for m, mv in fig["models"].items() for row, v in mv["rows"].items()
-                for k in ("samples_per_s", "throughput_vs_non_private", "peak_memory_vs_non_private")}
+        return {f"{m}/{row}/{k}": v[k] for m, mv in fig["presets"].items() for row, v in mv["rows"].items()
+                for k in ("samples_per_s", "throughput_vs_non_private", "peak_memory_vs_non_private",
+                          "vs_opacus_ghost") if k in v}
     if name == "vs_opacus":
         return {f"{m}/{row}/{k}": v[k] for m, mv in fig["models"].items() for row, v in mv["rows"].items()
                 for k in ("samples_per_s", "vs_opacus_hooks")}
@@ -99,9 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     previous = args.out / "results.json"
     if set(only) != set(FIGURES) and previous.exists():  # --only re-measures some figures and keeps the others
         results = {k: v for k, v in json.loads(previous.read_text()).items() if v.get("mode") == settings.mode}
-    fastest: dict[str, str] | None = None
-    if "dp_vs_nonprivate" in results:
-        fastest = {m: v["fastest_mode"] for m, v in results["dp_vs_nonprivate"]["models"].items()}
     t_all = time.perf_counter()
     for name in FIGURES:
         if name not in only:
@@ -111,13 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         if name == "dp_vs_nonprivate":
             fig = throughput.dp_vs_nonprivate(settings)
-            fastest = {m: v["fastest_mode"] for m, v in fig["models"].items()}
         elif name == "vs_opacus":
-            fig = throughput.vs_opacus(settings, fastest)
+            fig = throughput.vs_opacus(settings)
         elif name == "distributed_scaling":
-            fig = scaling.distributed_scaling(settings, fastest)
+            fig = scaling.distributed_scaling(settings)
         elif name == "scaling_vs_ddp":
-            fig = scaling.scaling_vs_ddp(settings, fastest)
+            fig = scaling.scaling_vs_ddp(settings)
         elif name == "accounting":
             fig = accounting.accounting(settings)
         elif name == "tracking_overhead":

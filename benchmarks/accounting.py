@@ -6,8 +6,8 @@ Scenario: a 60,000-example dataset at expected batch 60 (q = 1e-3), delta = 1e-5
   one-step PLD, as ``Trainer.fit`` does every ``logging_steps``.
 - ``calibrate``: ``calibrate_noise`` for epsilon 1 after 10k and 100k steps (from nothing; every accountant it builds
   is fresh).
-- ``parallel_poisson``: ``shard=global`` with W = 2, 4, 8 ranks at the same expected global batch (q_r = 1e-3 / W):
-  calibration and epsilon after 10k and 100k steps.
+- ``parallel_poisson``: ``shard=global`` with W = 2, 4, 8 ranks (quick mode: W = 2) at the same expected global
+  batch (q_r = 1e-3 / W): calibration and epsilon after 10k and 100k steps.
 Each time is the median of the repeats; every repeat starts from nothing.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from benchmarks.common import Settings, median, target
+from benchmarks.common import Settings, median
 
 Q, DELTA, TARGET_EPS, SIGMA = 1e-3, 1e-5, 1.0, 1.37
 STEPS = (10_000, 100_000)
@@ -49,7 +49,7 @@ def accounting(s: Settings, log=print) -> dict:
                            "runs": cal}
         log(f"  Poisson {steps} steps: epsilon {median(first):.3f} s (next log line {median(nxt):.3f} s), "
             f"calibration {median(cal):.3f} s (sigma {sigma:.4f})")
-    for w in WORLDS:
+    for w in WORLDS if s.mode == "full" else WORLDS[:1]:
         for steps in STEPS:
             cal, ep = [], []
             for _ in range(reps):
@@ -63,7 +63,7 @@ def accounting(s: Settings, log=print) -> dict:
                                         "epsilon_seconds": median(ep), "calibrate_runs": cal}
             log(f"  parallel Poisson W={w}, {steps} steps: calibration {median(cal):.3f} s (sigma {sigma:.4f}), "
                 f"epsilon {median(ep):.3f} s")
-    pp8 = max(pp_rows[f"W8/{n}"]["calibrate_seconds"] for n in STEPS)
+    widest = max(v["world_size"] for v in pp_rows.values())
     return {
         "what": __doc__.split("\n\n", 1)[1].strip(),
         "sample_rate": Q, "delta": DELTA, "accountant": "pld", "repeats": reps,
@@ -71,10 +71,13 @@ def accounting(s: Settings, log=print) -> dict:
         "epsilon": {str(k): v for k, v in eps_rows.items()},
         "calibrate": {str(k): v for k, v in cal_rows.items()},
         "parallel_poisson": pp_rows,
-        "targets": [
-            target("epsilon of 100k Poisson steps (fresh accountant)", eps_rows[100_000]["seconds_fresh"], 1.0, False, "s"),
-            target("calibrate sigma, 100k Poisson steps", cal_rows[100_000]["seconds"], 5.0, False, "s"),
-            target("calibrate sigma, 10k Poisson steps", cal_rows[10_000]["seconds"], 5.0, False, "s"),
-            target("parallel Poisson W=8 calibration (slowest of 10k/100k steps)", pp8, 30.0, False, "s"),
+        "targets": [],  # issue 6's (1 s, 5 s, 30 s) were met with 4-27x margin; no open issue sets one
+        "info": [
+            {"what": "epsilon of 100k Poisson steps (fresh accountant)", "value": eps_rows[100_000]["seconds_fresh"],
+             "unit": "s"},
+            *({"what": f"calibrate sigma, {n // 1000}k Poisson steps", "value": cal_rows[n]["seconds"], "unit": "s"}
+              for n in STEPS),
+            {"what": f"parallel Poisson W={widest} calibration (slowest of 10k/100k steps)",
+             "value": max(pp_rows[f"W{widest}/{n}"]["calibrate_seconds"] for n in STEPS), "unit": "s"},
         ],
     }

@@ -75,18 +75,17 @@ def _malloc_child(setting: str, s: Settings) -> dict:
     import json
 
     from benchmarks import throughput as T
+    from benchmarks.presets import preset
 
     applied = set_malloc_keep() if setting == "on" else False
     set_threads()
-    ds = T.digits()
-    x, y = ds.tensors
-    batches = T.poisson_batches(len(ds), 64)
     replays, steps = {}, {}
     for model_name, modes in (("mlp", (None, "hooks", "ew", "ghost")), ("cnn", (None, "hooks", "ew"))):
+        batches = preset(model_name).poisson_batches(64)
         for mode in modes:
             key = f"{model_name}/{mode or 'non_private'}"
             step = T.plain_step(T.make_model(model_name)) if mode is None else T.workbench_step(T.make_model(model_name), mode)
-            replays[key] = T.Replay(step, x, y, batches)
+            replays[key] = T.Replay(step, batches)
             steps[key] = s.steps if model_name == "mlp" else max(5, s.steps // 2)
     for r in replays.values():
         r.block(s.warmup_steps)

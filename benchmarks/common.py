@@ -33,14 +33,15 @@ class Settings:
     accounting_repeats: int
     tracking_pairs: int  # workbench.train runs per tracking setting (on/off alternated), after one warm-up pair
     startup_runs: int  # `python -m workbench` runs per start-up variant
+    max_batch: int | None  # dp_vs_nonprivate: a preset's per-device batch capped at this (None: the preset's own)
 
     @classmethod
     def for_mode(cls, quick: bool) -> "Settings":
         if quick:
             return cls("quick", warmup_steps=5, steps=20, repeats=3, scaling_launches=1, allreduce_iters=100,
-                       accounting_repeats=1, tracking_pairs=1, startup_runs=1)
+                       accounting_repeats=1, tracking_pairs=1, startup_runs=1, max_batch=64)
         return cls("full", warmup_steps=20, steps=100, repeats=7, scaling_launches=2, allreduce_iters=500,
-                   accounting_repeats=3, tracking_pairs=5, startup_runs=3)
+                   accounting_repeats=3, tracking_pairs=5, startup_runs=3, max_batch=None)
 
 
 def set_threads() -> None:

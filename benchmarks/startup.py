@@ -11,8 +11,8 @@ import hook that, once workbench's modules load, wraps a few of their functions 
 and, inside the build, the durations of loading the data (``Digits``), ``calibrate_noise`` and the budget check
 (``Accountant.max_steps``).
 Variants: ``cold`` (a new store: MLflow creates its tables; an empty workbench cache: calibration, budget and data
-split computed), ``warm`` (both exist: a user's second run) and ``tracking_off`` (``tracking.enabled=false``, an
-empty cache). The MLflow run is started on a background thread: ``tracker`` may come after ``first_step``. The job then runs to its end (the default job: 169 steps, eval,
+split computed), ``warm`` (both exist: a user's second run) and, in full mode, ``tracking_off``
+(``tracking.enabled=false``, an empty cache). The MLflow run is started on a background thread: ``tracker`` may come after ``first_step``. The job then runs to its end (the default job: 169 steps, eval,
 checkpoint, artifacts); ``process_exit`` is that whole run's wall time (full mode; quick mode stops the job once its
 first step is done).
 """
@@ -164,13 +164,15 @@ def _run(workdir: Path, hook_dir: Path, extra: list[str], stop_after_first_step:
 
 
 def startup(s: Settings, log=print) -> dict:
-    runs: dict[str, list[dict]] = {k: [] for k in VARIANTS}
+    runs: dict[str, list[dict]] = {k: [] for k in VARIANTS if s.mode == "full" or k != "tracking_off"}
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         hook_dir = Path(tmp) / "hook"
         hook_dir.mkdir()
         (hook_dir / "sitecustomize.py").write_text(HOOK)
         for i in range(s.startup_runs):
             for variant in (("cold", "warm", "tracking_off") if i % 2 == 0 else ("tracking_off", "cold", "warm")):
+                if variant not in runs:
+                    continue
                 work = Path(tmp) / f"{'off' if variant == 'tracking_off' else 'store'}-{i}"
                 work.mkdir(exist_ok=True)  # "warm" reruns in the folder whose store "cold" just created
                 runs[variant].append(_run(work, hook_dir, VARIANTS[variant], stop_after_first_step=s.mode == "quick"))

@@ -9,6 +9,7 @@ the median over pairs of neighbouring runs. For diagnosis, the time spent inside
 ``Accountant.epsilon`` while fit runs (on any thread) is summed the same way. Start-up, the final eval, checkpoint
 and artifact upload are outside the loop and outside the figure. ``disable_tqdm=true`` on both sides.
 The ``samples_per_second`` metric is not used: its window restarts after each log call, so it cannot see their cost.
+Quick mode stops each run at 40 steps (a smoke test of the figure).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import Settings, median, set_threads, target
+from benchmarks.common import Settings, median, set_threads
 
 
 class _LoopTimers:
@@ -85,7 +86,8 @@ def tracking_overhead(s: Settings, log=print) -> dict:
             for setting in (("on", "off") if pair % 2 == 0 else ("off", "on")):
                 cfg = compose([f"output_dir={Path(tmp) / f'run{i}'}", f"tracking.uri={uri}", "disable_tqdm=true",
                                f"tracking.enabled={'true' if setting == 'on' else 'false'}",
-                               "tracking.experiment_name=bench-tracking"])
+                               "tracking.experiment_name=bench-tracking",
+                               *(["max_steps=40"] if s.mode == "quick" else [])])  # quick: a smoke test
                 i += 1
                 with contextlib.redirect_stdout(io.StringIO()):
                     train(cfg)
@@ -123,8 +125,9 @@ def tracking_overhead(s: Settings, log=print) -> dict:
         "log_metrics_busy_share_of_loop": log_share,
         "epsilon_ms_per_call": eps_ms, "epsilon_calls_per_run": runs["on"][0]["epsilon_calls"],
         "epsilon_busy_share_of_loop": eps_share,
-        "targets": [target("tracking overhead: loop time, tracking on / off - 1", ab - 1, 0.03, False, "%")],
-        "info": [{"what": "time inside MLflow log_metrics / loop wall time (any thread)", "value": log_share,
+        "targets": [],  # issue 6's <= 3 % is no open issue's target; the figure stays as a no-target row
+        "info": [{"what": "tracking overhead: loop time, tracking on / off - 1", "value": ab - 1, "unit": "%"},
+                 {"what": "time inside MLflow log_metrics / loop wall time (any thread)", "value": log_share,
                   "unit": "%"},
                  {"what": "time inside Accountant.epsilon / loop wall time (any thread; on and off alike)",
                   "value": eps_share, "unit": "%"}],

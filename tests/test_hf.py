@@ -88,6 +88,41 @@ def test_lora_clips_only_the_adapters_exactly(mode):
         torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-6)
 
 
+BERT = dict(model_type="bert", vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def _bert():
+    torch.manual_seed(0)
+    return hf.model(config=BERT, num_labels=2, freeze=["bert.embeddings"])  # position ids are shared: frozen
+
+
+@pytest.mark.parametrize("mode", ["auto", "hooks"])
+def test_bert_classifier_clips_each_example_exactly(mode):
+    """A padded batch of a BERT classifier: each example's clipped gradient is its own, as computed alone, unpadded."""
+    ds = hf.TextDataset(hf.synthetic_text(size=6), hf.synthetic_tokenizer())
+    examples = [ds[i] for i in range(len(ds))]
+    assert len({len(e["input_ids"]) for e in examples}) > 1  # padding is exercised
+    model = _bert()
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected = [torch.zeros_like(p) for p in params]
+    ce = nn.functional.cross_entropy
+    for e in examples:
+        model.zero_grad()
+        ce(model(input_ids=e["input_ids"][None], attention_mask=e["attention_mask"][None]).logits,
+           e["labels"][None]).backward()
+        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
+        for t, p in zip(expected, params):
+            t += min(1.0, 0.1 / (float(norm) + 1e-6)) * p.grad
+    step = GradientStep(_bert(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=0.1,
+                        noise_multiplier=0.0, grad_sample_mode=mode, max_physical_batch_size=4)
+    raw = PadCollator()(examples)
+    step.check(raw)
+    step(raw, step=0)
+    for p, e in zip(step.params, expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-6)
+
+
 def test_lm_lora_preset_logs_perplexity_and_keeps_the_adapter(make_cfg, mlflow_uri, tmp_path):
     from workbench import train
 

@@ -25,6 +25,34 @@ def test_resnet_gets_book_keeping_and_synthetic_images_are_deterministic():
     assert 0 <= a.tensors[0].min() and a.tensors[0].max() <= 1
 
 
+def test_resnet_gn_clips_each_example_exactly():
+    """The whole GroupNorm ResNet through book-keeping: each example's clipped gradient is its own (autograd, alone)."""
+    from workbench.distributed import setup
+    from workbench.trainer import GradientStep
+
+    def make():
+        torch.manual_seed(0)
+        return ResNet(widths=(4, 8), groups=2)
+
+    x, y = SyntheticImages(6, seed=2).tensors
+    model, clip = make(), 0.2
+    params = list(model.parameters())
+    expected = [torch.zeros_like(p) for p in params]
+    for i in range(len(y)):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]).backward()
+        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
+        for t, p in zip(expected, params):
+            t += min(1.0, clip / (float(norm) + 1e-6)) * p.grad
+    step = GradientStep(make(), torch.nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=clip,
+                        noise_multiplier=0.0, grad_sample_mode="auto", max_physical_batch_size=4)
+    assert step.mode == "bk"
+    step.check((x, y))
+    step((x, y), step=0)
+    for p, e in zip(step.params, expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_images_resnet_preset_end_to_end(tmp_path):
     # Measured (2026-11-30, 2 shared cores, a fresh secret per run): eval_accuracy 0.57-0.84 over 8 runs (seeds 0-6, 42),

@@ -308,6 +308,71 @@ def test_bf16_transformer_trains_with_dp_and_records_the_replacement(make_cfg, m
     assert result.epsilon <= 8 and result.metrics["eval_accuracy"] > 0.3  # 10 classes; learning, if slowly
 
 
+def test_lstm_trains_with_dp_through_model_target(make_cfg, mlflow_uri, capsys):
+    from workbench import train
+
+    result = train(make_cfg("data=digits", "model._target_=workbench.models.LSTMClassifier", "max_steps=30",
+                            "per_device_train_batch_size=128", "learning_rate=1.0", "privacy.target_epsilon=8",
+                            "privacy.secure_seed=1"))  # pinned: one deterministic run
+    assert "privacy.fix_model: lstm: LSTM -> DPLSTM (weights carried)" in capsys.readouterr().out
+    tags = MlflowClient(tracking_uri=mlflow_uri).get_run(result.run_id).data.tags
+    assert "LSTM -> DPLSTM" in tags["fixed_modules"]
+    assert result.steps == 30 and result.epsilon <= 8 and result.metrics["eval_accuracy"] > 0.18  # chance: 0.1
+
+
+def _frozen_encoder(weights=None):
+    from workbench.models import frozen_backbone
+
+    torch.manual_seed(3)
+    return frozen_backbone(TransformerClassifier(), weights=weights)
+
+
+def test_a_frozen_backbone_has_no_gradient_and_no_noise_and_its_head_clips_exactly():
+    model = _frozen_encoder()
+    head = [p for n, p in model.named_parameters() if n.startswith("head")]
+    assert [p for p in model.parameters() if p.requires_grad] == head
+    x, y = torch.rand(9, 64), torch.randint(0, 10, (9,))
+    ce = nn.functional.cross_entropy
+    expected = _reference(_frozen_encoder, range(len(y)), lambda m, i: ce(m(x[i:i + 1]), y[i:i + 1]), clip=0.1)
+    step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=0.1,
+                        noise_multiplier=0.0, grad_sample_mode="auto", max_physical_batch_size=4)
+    assert step.mode == "bk" and step.numel == sum(p.numel() for p in head)  # the noise's dimension: the head's
+    step.check((x, y))
+    step((x, y), step=0)
+    _assert_grads(step, expected)
+    assert all(p.grad is None for n, p in model.named_parameters() if not n.startswith("head"))
+    with pytest.raises(WorkbenchError, match="model.trainable='classifier' matches no parameter"):
+        from workbench.models import frozen_backbone
+
+        frozen_backbone(TransformerClassifier(), trainable=["classifier"])
+
+
+def test_frozen_backbone_with_pretrained_weights_trains_its_head_with_dp_and_rebuilds_from_its_checkpoint(
+        make_cfg, tmp_path):
+    from workbench import train
+    from workbench.checkpoint import load
+
+    torch.manual_seed(11)
+    pretrained = TransformerClassifier().state_dict()
+    torch.save(pretrained, tmp_path / "encoder.pt")
+    result = train(make_cfg("data=digits", "model._target_=workbench.models.frozen_backbone",
+                            "+model.model._target_=workbench.models.TransformerClassifier",
+                            f"+model.weights={tmp_path / 'encoder.pt'}", "max_steps=10",
+                            "per_device_train_batch_size=128", "learning_rate=1.0", "privacy.target_epsilon=8"))
+    assert result.epsilon <= 8 and result.steps == 10
+    trained = result.model.state_dict()
+    for name, value in pretrained.items():  # the backbone is the pre-trained one, bit for bit; the head moved
+        assert torch.equal(trained[name], value) != name.startswith("head"), name
+    rebuilt = _frozen_encoder(weights=str(tmp_path / "encoder.pt"))
+    rebuilt.load_state_dict(load(result.checkpoint)["model"])
+    x = torch.rand(5, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt.eval()(x), result.model.eval()(x))
+    with pytest.raises(WorkbenchError, match="is not a file"):
+        train(make_cfg("data=digits", "model._target_=workbench.models.frozen_backbone",
+                       "+model.model._target_=workbench.models.TransformerClassifier", "+model.weights=missing.pt"))
+
+
 def test_default_job_imports_no_hugging_face(tmp_path):
     import subprocess
     import sys
@@ -334,10 +399,215 @@ def test_cuda_step_matches_the_per_example_loop(dtype):
     ce = nn.functional.cross_entropy
     expected = _reference(_TwoInputs, range(len(y)), lambda m, i: ce(m(a[i:i + 1], b[i:i + 1]).logits, y[i:i + 1]), 0.5)
     d = setup("gloo")
+    from workbench.trainer import LossScaler
+
+    # fp16: a loss scale these magnitudes keep finite (a larger one may overflow, and the trainer would skip the
+    # step: tested below); none for bf16 and float32
+    scaler = LossScaler(init_scale=2.0 ** 8) if dtype == torch.float16 else None
     step = GradientStep(_TwoInputs().cuda(), nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=0.5,
-                        noise_multiplier=0.0, grad_sample_mode="hooks", autocast_dtype=dtype)
+                        noise_multiplier=0.0, grad_sample_mode="hooks", autocast_dtype=dtype, loss_scaler=scaler)
     step(raw, step=0)
+    step.divide_(1.0)  # divides by the loss scale S: the clipped sum itself
     tolerance = dict(rtol=1e-4, atol=1e-5) if dtype is None else dict(rtol=5e-2, atol=2e-2)
     for p, e in zip(step.params, expected):
         assert p.grad.is_cuda and p.grad.dtype == torch.float32
         torch.testing.assert_close(p.grad.cpu(), e, **tolerance)
+
+
+# fp16 loss scaling: the scaler's policy and its place in the contract, on CPU in float32 (a huge initial scale forces
+# the overflow that fp16 would give); the same run on CUDA in fp16 is the gpu test below.
+
+class _Lines:
+    """Records the step lines the trainer sends (a stand-in for the tracker: this tests the trainer's own logic)."""
+
+    def __init__(self):
+        self.lines = []
+
+    def log_many(self, lines):
+        self.lines += lines
+
+    def log_metrics(self, metrics, step=None):
+        self.lines.append((metrics, step))
+
+    def flush(self):
+        pass
+
+
+class _Applied:
+    """A callback: the steps whose update was applied."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, state):
+        self.steps.append(state.step)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _scaled_run(scaler, *, start_step=0, steps=4, device="cpu", autocast_dtype=None, mode="bk"):
+    """A real Trainer on a real GradientStep (noise on, sigma=1), fed fixed batches; returns what the tests read."""
+    from types import SimpleNamespace
+
+    from workbench.callbacks import CallbackList
+    from workbench.privacy import Accountant
+    from workbench.trainer import Trainer
+
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(12, 6, generator=g) * 3, torch.randint(0, 3, (12,), generator=g)) for _ in range(steps)]
+    model = _mlp().to(device)
+    d = setup("gloo")
+    step_fn = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=0.5, noise_multiplier=1.0,
+                           grad_sample_mode=mode, noise_seed=7, autocast_dtype=autocast_dtype, loss_scaler=scaler)
+    step_fn.check(batches[0])
+    optimizer = torch.optim.SGD(step_fn.params, lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    accountant = Accountant("pld", 0.1, 1.0)
+    applied, tracker = _Applied(), _Lines()
+    cfg = SimpleNamespace(disable_tqdm=True, logging_steps=1, eval_steps=0, save_steps=0)
+    trainer = Trainer(cfg, d, model, step_fn, optimizer, scheduler, batches[start_step:], lambda: {}, accountant, 1e-5,
+                      tracker, 12.0, 120, steps, start_step, lambda s: None,
+                      CallbackList([applied], model, list(model.named_parameters()), steps))
+    return SimpleNamespace(trainer=trainer, model=model, step_fn=step_fn, accountant=accountant, applied=applied,
+                           tracker=tracker, start=[p.detach().clone() for p in model.parameters()])
+
+
+def test_loss_scaler_shrinks_on_overflow_grows_after_good_steps_and_stops_shrinking_at_its_floor():
+    from workbench.trainer import LossScaler
+
+    s = LossScaler(init_scale=8.0, growth_interval=2, min_scale=2.0)
+    assert s.update(False) and s.scale == 4.0 and s.skipped_steps == 1
+    assert not s.update(True) and s.scale == 4.0
+    assert not s.update(True) and s.scale == 8.0  # two good steps in a row: grown
+    assert not s.update(True) and s.update(False) and s.scale == 4.0 and s.good_steps == 0  # an overflow resets the count
+    assert s.update(False) and s.scale == 2.0
+    assert not s.update(False) and s.scale == 2.0 and s.skipped_steps == 3  # at the floor: not skipped, not shrunk
+    with pytest.raises(WorkbenchError, match="backoff_factor"):
+        LossScaler(backoff_factor=1.0)
+    fp16 = GradientStep(_mlp(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=1.0,
+                        noise_multiplier=1.0, autocast_dtype=torch.float16)
+    assert fp16.scaler is not None and fp16.scaler.scale == 2.0 ** 10  # fp16 scales by default
+    bf16 = GradientStep(_mlp(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=1.0,
+                        noise_multiplier=1.0, autocast_dtype=torch.bfloat16)
+    assert bf16.scaler is None and bf16.scale == 1.0
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_loss_scaled_updates_equal_the_unscaled_run_for_the_same_noise(mode):
+    """Loss x S, clip to C*S, noise sigma*C*S, divide by S: DP-SGD's own update, whatever S does (here it grows
+    every step), so the trained parameters equal the unscaled run's."""
+    from workbench.trainer import LossScaler
+
+    plain = _scaled_run(None, mode=mode)
+    scaled = _scaled_run(LossScaler(init_scale=2.0 ** 20, growth_interval=1), mode=mode)
+    assert plain.trainer.fit() == scaled.trainer.fit() == 4
+    assert scaled.step_fn.scale == 2.0 ** 24 and scaled.step_fn.scaler.skipped_steps == 0
+    for p, q in zip(plain.model.parameters(), scaled.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    (loss_plain, _), (loss_scaled, _) = plain.tracker.lines[0], scaled.tracker.lines[0]
+    assert loss_scaled["loss"] == pytest.approx(loss_plain["loss"], rel=1e-6)  # the logged loss is unscaled
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_an_overflowed_step_is_skipped_counted_by_the_accountant_and_logged(mode, caplog):
+    from workbench.trainer import LossScaler
+
+    # 2**200 overflows float32 as 2**16 overflows fp16; one backoff of 2**-180 brings it to 2**20
+    scaled = _scaled_run(LossScaler(init_scale=2.0 ** 200, backoff_factor=2.0 ** -180, growth_interval=2), mode=mode)
+    with caplog.at_level("WARNING", logger="workbench.trainer"):
+        assert scaled.trainer.fit() == 4
+    assert scaled.step_fn.scaler.skipped_steps == 1 and scaled.step_fn.scale == 2.0 ** 21  # shrunk once, grown once
+    assert scaled.accountant.steps == 4  # the skipped step ran the mechanism: it is spent
+    assert scaled.applied.steps == [2, 3, 4]  # no optimizer step (nor callback) for step 1
+    assert "step 1's update overflowed; skipped" in caplog.text and "loss scale lowered to 1.04858e+06" in caplog.text
+    logged = {step: metrics for metrics, step in scaled.tracker.lines}
+    assert [logged[s]["skipped_steps"] for s in (1, 2, 3, 4)] == [1.0, 1.0, 1.0, 1.0]
+    assert [logged[s]["loss_scale"] for s in (1, 2, 3, 4)] == [2.0 ** 20, 2.0 ** 20, 2.0 ** 21, 2.0 ** 21]
+    # After the skip the run is the unscaled run started at step 1 from the untouched parameters (same noise).
+    plain = _scaled_run(None, start_step=1, mode=mode)
+    plain.trainer.fit()
+    for p, q in zip(plain.model.parameters(), scaled.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_overflow_with_the_scale_at_its_floor_stops_the_run_in_one_line():
+    from workbench.errors import TrainingStopped
+    from workbench.trainer import LossScaler
+
+    scaled = _scaled_run(LossScaler(init_scale=2.0 ** 200, min_scale=2.0 ** 199))
+    with pytest.raises(TrainingStopped) as err:
+        scaled.trainer.fit()
+    assert str(err.value).startswith("training stopped at step 2: the noised update became non-finite (NaN/inf) "
+                                     "with the fp16 loss scale at its floor")
+    assert "\n" not in str(err.value)
+    assert scaled.step_fn.scaler.skipped_steps == 1 and scaled.accountant.steps == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_fp16_on_cuda_skips_an_overflow_then_follows_the_float32_run(mode):
+    """fp16's range ends at 65504: a loss scale of 2**40 overflows the half-precision backward; one backoff of 2**-30
+    brings it to 2**10. The overflowed step is skipped and counted; the rest follows the float32 run started after it
+    (same noise), to half-precision rounding."""
+    from workbench.trainer import LossScaler
+
+    scaled = _scaled_run(LossScaler(init_scale=2.0 ** 40, backoff_factor=2.0 ** -30), device="cuda",
+                         autocast_dtype=torch.float16, mode=mode)
+    assert scaled.trainer.fit() == 4
+    assert scaled.step_fn.scaler.skipped_steps == 1 and scaled.step_fn.scale == 2.0 ** 10
+    assert scaled.accountant.steps == 4 and scaled.applied.steps == [2, 3, 4]
+    assert scaled.step_fn.update.is_cuda and scaled.step_fn.update.dtype == torch.float32
+    plain = _scaled_run(None, start_step=1, device="cuda", mode=mode)
+    plain.trainer.fit()
+    for p, q in zip(plain.model.parameters(), scaled.model.parameters()):
+        assert q.is_cuda and q.dtype == torch.float32
+        torch.testing.assert_close(q, p, rtol=5e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp16_job_trains_on_cuda_and_logs_its_loss_scale(make_cfg, mlflow_uri):
+    from workbench import train
+
+    result = train(make_cfg("experiment=quick", "fp16=true", "logging_steps=1"))
+    assert next(result.model.parameters()).is_cuda
+    assert result.epsilon is not None and 0 < result.epsilon <= 8 + 1e-9
+    assert result.metrics["eval_accuracy"] > 0.8  # float32 reaches 1.0 on this data; chance is 0.1
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    scale = client.get_metric_history(result.run_id, "loss_scale")
+    skipped = client.get_metric_history(result.run_id, "skipped_steps")
+    assert len(scale) == len(skipped) == result.steps and all(m.value >= 1 for m in scale)
+    assert skipped[-1].value < result.steps  # some steps were applied
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_loader_pins_memory_and_noise_is_drawn_on_the_device_from_the_step_stream():
+    from types import SimpleNamespace
+
+    from workbench.data import PoissonBatchSampler, train_loader, train_shard
+
+    cfg = SimpleNamespace(dataloader_num_workers=0, dataloader_pin_memory=True)
+    dataset = torch.utils.data.TensorDataset(torch.randn(64, 6), torch.randint(0, 3, (64,)))
+    shard = train_shard(64, 0, 1, "per_rank", 16)
+    (x, y), = list(train_loader(dataset, PoissonBatchSampler(shard, 1, seed=3, rank=0), cfg, torch.device("cuda")))
+    assert x.is_pinned() and y.is_pinned()  # so GradientStep's non_blocking copies are asynchronous
+    (x_cpu, _), = list(train_loader(dataset, PoissonBatchSampler(shard, 1, seed=3, rank=0), cfg, torch.device("cpu")))
+    assert not x_cpu.is_pinned()
+    sigma, clip = 1.3, 0.7
+    step = GradientStep(nn.Linear(100, 50).cuda(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"),
+                        max_grad_norm=clip, noise_multiplier=sigma, noise_seed=11)
+    samples = []
+    for s in range(20):
+        step(None, step=s)  # an empty Poisson batch: pure noise, drawn on the GPU from (noise_seed, step)
+        samples.append(step.update.clone())
+    assert all(t.is_cuda and t.dtype == torch.float32 for t in samples)
+    noise = torch.stack(samples)
+    assert float(noise.std()) == pytest.approx(sigma * clip, rel=0.02) and abs(float(noise.mean())) < 0.01
+    step(None, step=3)
+    assert torch.equal(step.update, samples[3])  # reproducible from the (secret-mixed) seed and the step alone
+    assert not torch.equal(samples[3], samples[4])

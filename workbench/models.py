@@ -110,6 +110,32 @@ class LSTMClassifier(nn.Module):
         return self.head(out[:, -1])
 
 
+def frozen_backbone(model: nn.Module, trainable: Sequence[str] = ("head",), weights: str | None = None) -> nn.Module:
+    """A trainable head on a frozen backbone: ``model`` (Hydra builds it from ``model.model``), its state dict first
+    loaded from ``weights`` (e.g. a backbone pre-trained on public data), then every parameter whose name starts with
+    none of ``trainable`` frozen. Frozen parameters get no gradient, no clipping and no noise (the noise has the
+    trainable parameters' size); checkpoints still hold the whole model, so it rebuilds as it was trained.
+
+        python -m workbench model._target_=workbench.models.frozen_backbone +model.model._target_=my_pkg.Net
+    """
+    if weights is not None:
+        from pathlib import Path
+
+        if not Path(weights).is_file():
+            raise WorkbenchError(f"model.weights={weights!r} is not a file (a state dict saved with torch.save)")
+        try:
+            model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+        except Exception as e:  # noqa: BLE001 - a wrong file or another model's keys: one line
+            raise WorkbenchError(f"model.weights={weights!r} does not fit the model: {str(e).splitlines()[0]}") from e
+    names = [name for name, _ in model.named_parameters()]
+    for prefix in trainable:
+        if not any(name.startswith(prefix) for name in names):
+            raise WorkbenchError(f"model.trainable={prefix!r} matches no parameter (they are e.g. {names[:3]})")
+    for name, p in model.named_parameters():
+        p.requires_grad_(any(name.startswith(prefix) for prefix in trainable))
+    return model
+
+
 def prepare_model(model: nn.Module, private: bool, fix: bool = True) -> tuple[nn.Module, list[str]]:
     """The model DP-SGD will train, and what was replaced to get it.
 
