@@ -259,6 +259,24 @@ def test_every_mode_checks_each_example_against_autograd_before_training(mode):
             step(_BroadcastPositions()).check((_ids(), y))
 
 
+@pytest.mark.parametrize("mode", ["bk", "hooks", "functorch", "ew", "ghost"])
+def test_a_weight_used_outside_its_layer_is_refused_one_example_at_a_time(mode):
+    """One example cannot show mixing but does show a weight used outside its layer: a one-example pre-run check,
+    and micro-batches of one with no check before training, refuse it (bk once skipped its check below two examples
+    and clipped a gradient that missed the outside use)."""
+    x, y = torch.randn(3, 6), torch.randint(0, 3, (3,))
+
+    def step():
+        return GradientStep(_FunctionalUse(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=1.0,
+                            noise_multiplier=0.0, grad_sample_mode=mode, max_physical_batch_size=1)
+
+    refused = "gradient of 'fc.weight' is not its own|ew cannot compute"
+    with pytest.raises(WorkbenchError, match=refused):
+        step().check((x[:1], y[:1]))
+    with pytest.raises(WorkbenchError, match=refused):
+        step()((x, y), step=0)
+
+
 def test_a_layer_without_parameters_that_mixes_examples_is_refused_before_training():
     """BatchNorm without affine parameters has nothing to clip, so no layer rule sees it; the pre-run check does."""
     from workbench.models import prepare_model
