@@ -4,6 +4,7 @@ example's gradient clipped to C, summed. Sequences, reused layers, frozen parame
 import pytest
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 from workbench.clipping import fastest_grad_sample_mode
 from workbench.clipping.layers import ConvRule, LinearRule
@@ -140,6 +141,83 @@ class _LoRA(nn.Module):
         return self.head(torch.tanh(self.q(self.emb(ids))).mean(1))
 
 
+class _ConvTwoSizes(nn.Module):
+    """One Conv2d called at two resolutions. Narrow (8 channels, 8x8 and 2x2): per-sample gradients formed at 8x8,
+    (a, g) kept at 2x2 and then formed too. Wide (16 -> 32 channels, 4x4 and 3x3): both calls kept, their norms by
+    the Gram route over the calls' joined positions."""
+
+    def __init__(self, wide=False):
+        super().__init__()
+        cin, cout, self.big, self.small = (16, 32, 4, 3) if wide else (8, 8, 8, 2)
+        self.c, self.head = nn.Conv2d(cin, cout, 3, padding=1, padding_mode="reflect"), nn.Linear(cout, 3)
+        big, small = torch.zeros(1, cin, self.big, self.big), torch.zeros(1, cin, self.small, self.small)
+        assert ConvRule.keeps(self.c, big, self.c(big)) == wide and ConvRule.keeps(self.c, small, self.c(small))
+        assert not wide or ConvRule().use_gram(self.c, self.big ** 2 + self.small ** 2)
+
+    def forward(self, x):
+        x = x.view(len(x), self.c.in_channels, self.big, self.big)
+        small = F.adaptive_avg_pool2d(x, self.small)
+        return self.head(torch.tanh(self.c(x)).mean((2, 3)) + torch.tanh(self.c(small)).mean((2, 3)))
+
+
+class _InPlace(nn.Module):
+    """In-place ops on every route's output (formed conv, GroupNorm, sequence Linear, LayerNorm; kept rows Linear)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.gn, self.fc, self.ln = nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.Linear(4, 4), nn.LayerNorm(4)
+        self.rows, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.c(x.view(len(x), 2, 6, 6)).relu_()
+        h = self.gn(h).mul_(2).relu_().flatten(2).transpose(1, 2)
+        z = self.fc(h).add_(1)
+        z = self.ln(z).tanh_()
+        return self.head(self.rows(z.mean(1)).sigmoid_())
+
+
+class _Unused(nn.Module):
+    """Trainable layers of every route called, their outputs never used: no gradient arrives, nothing is added."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.ln, self.fc, self.rows = nn.Conv2d(2, 4, 3), nn.LayerNorm(2), nn.Linear(2, 4), nn.Linear(2, 4)
+        self.head = nn.Linear(72, 3)
+
+    def forward(self, x):
+        x = x.view(len(x), 2, 6, 6)
+        t = x.flatten(2).transpose(1, 2)
+        self.c(x), self.ln(t), self.fc(t), self.rows(t[:, 0])
+        return self.head(x.flatten(1))
+
+
+class _NormShapes(nn.Module):
+    """LayerNorm over two dims, without affine parameters, without bias; RMSNorm(eps=None); GroupNorm on (N, C)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.LayerNorm((3, 4)), nn.LayerNorm(4, elementwise_affine=False)
+        self.c, self.r = nn.LayerNorm(4, bias=False), nn.RMSNorm([3, 4], eps=None)
+        self.g, self.head = nn.GroupNorm(3, 24), nn.Linear(24, 3)
+        with torch.no_grad():  # affine parameters start at 1 and 0: move them
+            for p in self.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+
+    def forward(self, x):
+        return self.head(self.g(self.r(self.c(self.b(self.a(x.view(len(x), 2, 3, 4))))).flatten(1)))
+
+
+class _PaddedRows(nn.Module):
+    """An Embedding with a padding row, on a sequence and again on one id per example (repeats within examples)."""
+
+    def __init__(self):
+        super().__init__()
+        self.e, self.head = nn.Embedding(5, 3, padding_idx=2), nn.Linear(3, 3)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.e(ids).sum(1) + self.e(ids[:, 0])))
+
+
 def _floats(n, d, seed=5):
     return torch.randn(n, d, generator=torch.Generator().manual_seed(seed))
 
@@ -160,6 +238,12 @@ CASES = {
     "conv2d_kept_gram": (_WideConv, lambda: _floats(9, 128)),
     "conv2d_kept": (lambda: _WideConv(side=6), lambda: _floats(9, 288)),
     "linear_both_routes": (_BothRoutes, lambda: _floats(9, 12)),
+    "conv2d_two_sizes_two_routes": (_ConvTwoSizes, lambda: _floats(9, 512)),
+    "conv2d_two_sizes_kept_gram": (lambda: _ConvTwoSizes(wide=True), lambda: _floats(9, 256)),
+    "in_place_after_layers": (_InPlace, lambda: _floats(9, 72)),
+    "unused_outputs": (_Unused, lambda: _floats(9, 72)),
+    "norm_shapes": (_NormShapes, lambda: _floats(9, 24)),
+    "embedding_padded_rows": (_PaddedRows, lambda: _ids(vocab=5)),
     "layernorm_rmsnorm_frozen_weight": (_Norms, lambda: _floats(9, 12)),
     "lora": (_LoRA, lambda: _ids(vocab=9)),
     "tiny_transformer": (lambda: TinyTransformer(vocab=11, max_len=6, d_model=8, heads=2, num_classes=3),
