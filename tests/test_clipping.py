@@ -406,3 +406,87 @@ def test_per_sample_route_contributions_never_exceed_the_bound_in_bf16():
         assert clip * 0.99 <= norm <= clip * (1 + 1e-5)
     step((x, y), step=1)
     assert float(torch.cat([p.grad.flatten() for p in step.params]).norm()) <= len(y) * clip * (1 + 1e-5)
+
+
+class _EveryRoute(nn.Module):
+    """Kept calls (rows Linear, padded Embedding, a wide conv at 1x1 and 2x2: Gram) and formed per-sample gradients
+    (a conv at 6x6, GroupNorm, a sequence Linear, LayerNorm) in one model."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.seq, self.ln = nn.Embedding(11, 8, padding_idx=0), nn.Linear(8, 8), nn.LayerNorm(8)
+        self.rows, self.conv, self.gn = nn.Linear(8, 8), nn.Conv2d(2, 16, 3, padding=1), nn.GroupNorm(4, 16)
+        self.wide, self.head = nn.Conv2d(16, 32, 3, padding=1), nn.Linear(40, 3)
+
+    def forward(self, x):
+        ids, img = x[:, :6].long().abs() % 11, x[:, 6:].view(len(x), 2, 6, 6)
+        r = self.rows(self.ln(torch.tanh(self.seq(self.emb(ids)))).mean(1))
+        h = torch.relu(self.gn(self.conv(img)))
+        w = sum(self.wide(F.adaptive_avg_pool2d(h, side)).mean((2, 3)) for side in (1, 2))
+        return self.head(torch.cat([torch.tanh(r), torch.tanh(w)], 1))
+
+
+def test_every_route_follows_the_clip_the_loss_scale_sets_each_step():
+    """fp16 loss scaling sets the clip to C*S before each step: every route's contribution of one example is C*S for
+    this step's S (clipped: no bound, factor or threshold cached from an earlier step), and the run's clipped sums
+    after dividing by S match the unscaled float32 ones to fp16 rounding."""
+    from workbench.trainer import LossScaler
+
+    clip, scales = 1e-3, [4.0, 2.0 ** 10, 2.0 ** 14, 1.0, 64.0]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(len(scales), 78, generator=g) * 3
+    x[:, :6] = torch.randint(0, 11, (len(x), 6), generator=g).float()
+    y = torch.randint(0, 3, (len(x),), generator=g)
+    steps = {}
+    for dtype in (None, torch.float16):
+        torch.manual_seed(0)
+        steps[dtype] = GradientStep(_EveryRoute(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"),
+                                    max_grad_norm=clip, noise_multiplier=0.0, grad_sample_mode="bk",
+                                    autocast_dtype=dtype, loss_scaler=LossScaler() if dtype else None)
+        steps[dtype].check((x, y))
+    for i, scale in enumerate(scales):
+        steps[torch.float16].scaler.scale = scale
+        sums = []
+        for step in steps.values():
+            step((x[i:i + 1], y[i:i + 1]), step=i)
+            sums.append(torch.cat([p.grad.flatten() for p in step.params]).clone())
+        plain, scaled = sums
+        assert float(plain.norm()) == pytest.approx(clip, rel=1e-5)
+        assert float(scaled.norm()) == pytest.approx(clip * scale, rel=1e-5)
+        torch.testing.assert_close(scaled / scale, plain, rtol=0.05, atol=0.05 * clip)
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.q, self.k, self.v = nn.Embedding(9, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.o, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, ids):
+        h = self.emb(ids).unsqueeze(1)  # one head
+        att = F.scaled_dot_product_attention(self.q(h), self.k(h), self.v(h), is_causal=True)
+        return self.head(self.o(att.squeeze(1)).mean(1))
+
+
+def _peft_lora():
+    import peft
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(_Attention(), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q", "v", "o"],
+                                                              modules_to_save=["head"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: A's gradient would be zero
+            nn.init.normal_(p)
+    return model
+
+
+@pytest.mark.parametrize("physical", [4, 64])
+def test_book_keeping_clips_peft_lora_on_attention_exactly(physical):
+    pytest.importorskip("peft")
+    x, y = _ids(vocab=9), torch.randint(0, 3, (9,), generator=torch.Generator().manual_seed(4))
+    expected, bites = _clipped_sum_loop(_peft_lora(), x, y, CLIP)
+    assert bites >= 2 and fastest_grad_sample_mode(_peft_lora()) == "bk"
+    got = _bk_sum(_peft_lora(), x, y, CLIP, physical)
+    assert len(got) == len(expected) == 8  # the adapters of q, v, o and the head saved in full
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-6)
