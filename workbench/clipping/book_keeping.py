@@ -180,9 +180,9 @@ class BookKeeping(Strategy):
         self.checked = n > 1
 
     def accumulate(self, batch, loss_fn: LossFn, view_of: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Add the micro-batch's clipped gradient sum into ``view_of`` (parameter id -> gradient buffer view)."""
-        if not self.checked:  # GradientStep.check normally did this before training
-            self.check(batch, loss_fn)
+        """Add the micro-batch's clipped gradient sum into ``view_of`` (parameter id -> gradient buffer view). Not
+        checked here: GradientStep checks before training, or the micro-batch first while ``checked`` is False, in the
+        parameters' precision (``loss_fn`` here may autocast, which the check's comparison with autograd cannot)."""
         losses, arrived = self._backward(batch, loss_fn, retain=False, collect=False)
         n = len(losses)
         dtype = torch.promote_types(next(iter(view_of.values())).dtype, torch.float32)
