@@ -563,3 +563,24 @@ def test_one_overflowing_example_cannot_make_the_release_non_finite(mode):
     x[0] *= 1e5  # one outlier: its activations pass fp16's 65504
     step((x, y), step=0)
     assert bool(torch.isfinite(step.update).all())
+
+
+class _TimeMajor(nn.Module):
+    """A sequence fed time-major, (T, B, d), with T == B: every layer input's dim 0 has the batch's length."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln, self.head = nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.ln(torch.tanh(self.fc(x.view(len(x), 8, 4).transpose(0, 1)))).mean(0))
+
+
+def test_time_major_with_as_many_steps_as_examples_is_refused_before_training():
+    """The shape test cannot see it (T == B); the comparison with each example's own gradient does."""
+    x, y = torch.randn(8, 32), torch.randint(0, 3, (8,))
+    step = GradientStep(_TimeMajor(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=1.0,
+                        noise_multiplier=0.0, grad_sample_mode="bk")
+    with pytest.raises(WorkbenchError, match="is not its own") as refusal:
+        step.check((x, y))
+    assert "\n" not in str(refusal.value)
