@@ -70,6 +70,10 @@ MUTANTS = (
     Mutant("bk-norm-without-bias", "book-keeping leaves the bias out of each example's norm: under-clipped examples",
            "workbench/clipping/layers.py", 'return out.add_(gg) if "bias" in names else out', "return out",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear-bk]",)),
+    Mutant("bk-check-skips-one-example", "book-keeping's pre-run check compares nothing on one example: a weight "
+           "used outside its layer trains with micro-batches of one",
+           "workbench/clipping/book_keeping.py", "        for k in range(n):", "        for k in range(n if n > 1 else 0):",
+           ("tests/test_clipping.py::test_a_weight_used_outside_its_layer_is_refused_one_example_at_a_time[bk]",)),
     Mutant("pinned-seed-logged", "a pinned secure_seed reaches MLflow's params unredacted",
            "workbench/tracking.py", 'container["privacy"]["secure_seed"] = "<redacted>"', "pass",
            ("tests/test_resume.py::test_streams_are_secret_unless_pinned",)),

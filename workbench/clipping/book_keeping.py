@@ -1,10 +1,12 @@
-"""Book-keeping per-sample clipping (Bu et al., 2023): one forward, one backward, no per-sample gradients kept.
+"""Book-keeping per-sample clipping (Bu et al., 2023): one forward, one backward, no weight gradients of the batch.
 
-The forward keeps each trainable layer's input a; one backward asks autograd for dL/dz at each layer output z only (no
-weight gradients, no second pass). From (a, g = dL/dz) each layer's rule (:mod:`workbench.clipping.layers`: Linear,
-Embedding, Conv1d/2d, LayerNorm/RMSNorm, GroupNorm; biases and frozen parameters included) gives the per-sample
-squared norms; their sum over layers gives the clip factors f_i, and the rule adds sum_i f_i grad_i into the buffer.
-A layer called more than once (or on a sequence (B, T, d)) is exact: its calls are summed per example before norms.
+The forward keeps each trainable layer's input a; one backward computes the gradient g = dL/dz at each layer output z
+and no weight gradient. Each layer's rule (:mod:`workbench.clipping.layers`: Linear, Embedding, Conv1d/2d,
+LayerNorm/RMSNorm, GroupNorm; biases and frozen parameters included) takes, per call, whichever route holds less
+memory: its per-sample gradients, formed as g arrives (a tap -- an identity autograd node -- on z hands g over during
+the backward, and a and g are let go), or (a, g) kept, the backward returning g. Then per-sample squared norms per
+layer, their sum over layers, the clip factors f_i, and sum_i f_i grad_i into the buffer. A layer called more than
+once (or on a sequence (B, T, d)) is exact: its calls are summed per example before norms.
 
 It relies on what every per-sample mode relies on -- a layer's input rows are examples, one loss per example -- and on
 seeing every use of a weight. :meth:`BookKeeping.check` verifies this on a real batch before training.
@@ -12,13 +14,33 @@ seeing every use of a weight. :meth:`BookKeeping.check` verifies this on a real 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from workbench.clipping.base import LossFn, Strategy, check_tolerance, clip_factors, require_own
-from workbench.clipping.layers import rule_for
+from workbench.clipping.layers import rule_for, squares, weighted_sum
 from workbench.errors import WorkbenchError
+
+
+class _Tap(torch.autograd.Function):
+    """The identity on a layer's output; its backward hands the output's gradient to ``sink`` (once: a retained graph
+    replays it without). The output shares the input's storage and version counter but is no view of it, so a later
+    in-place op on it (ReLU(inplace=True)) stays legal."""
+
+    @staticmethod
+    def forward(ctx, z, anchor, sink):
+        ctx.sink = sink
+        return z.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        sink, ctx.sink = ctx.sink, None  # let go of the layer input it holds
+        if sink is not None:
+            sink(g)
+        return g, None, None
 
 
 def trainable_layers(model: nn.Module) -> list[nn.Module]:
@@ -54,45 +76,75 @@ class BookKeeping(Strategy):
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.layer_names = {m: n for n, m in model.named_modules()}
         self.checked = False
+        self._anchor = torch.zeros((), requires_grad=True)  # the leaf the backward is asked for: only taps reach it
+        self._arrived: dict | None = None  # during a backward: layer -> [per-sample gradients or None, kept calls]
+        self._n = 0
 
-    def _run(self, batch, loss_fn: LossFn):
-        """Forward with the recording hooks; returns the per-example losses and, per layer call, its input and the
-        autograd edge of its output (the edge, not the tensor: memory like a non-private step's)."""
-        records: list[tuple[nn.Module, torch.Tensor, object]] = []
+    def _run(self, batch, loss_fn: LossFn, collect: bool):
+        """Forward with the recording hooks. A call whose rule keeps (a, g) (all calls when ``collect``: the check
+        reads them) is recorded with its output's autograd edge, for the backward to return its g; the others get a
+        tap, which forms their per-sample gradients during the backward. Returns the per-example losses and the kept
+        calls (layer, a, edge)."""
+        kept: list[tuple[nn.Module, torch.Tensor, object]] = []
+        taps = 0
 
-        def keep(m, args, kwargs, out):
+        def record(m, args, kwargs, out):
+            nonlocal taps
             if not out.requires_grad:
                 raise WorkbenchError("grad_sample_mode=bk: gradients are disabled in the model's forward (no_grad?)")
-            records.append((m, _input(args, kwargs).detach(), get_gradient_edge(out)))
+            a = _input(args, kwargs).detach()
+            if collect or self.rules[m].keeps(m, a, out):  # g has the output's shape
+                kept.append((m, a, get_gradient_edge(out)))
+                return None
+            taps += 1
+            return _Tap.apply(out, self._anchor, functools.partial(self._arrive, m, a))
 
-        handles = [m.register_forward_hook(keep, with_kwargs=True) for m in self.layers]
+        handles = [m.register_forward_hook(record, with_kwargs=True) for m in self.layers]
         try:
             losses = loss_fn(self.module, batch)
         finally:
             for h in handles:
                 h.remove()
-        if not records:
+        if not kept and not taps:
             raise WorkbenchError("grad_sample_mode=bk: no trainable layer ran in the model's forward")
-        return losses, records
+        return losses, kept, taps
 
-    def _by_layer(self, records: list, grads: tuple, n: int) -> dict[nn.Module, list]:
-        """Per layer, its calls' (a, g), batch first."""
-        layers: dict[nn.Module, list] = {}
-        for (m, a, _), g in zip(records, grads):
-            if g is None:  # this output did not reach the loss
-                continue
-            if a.shape[0] != n or g.shape[0] != n:
-                raise WorkbenchError(f"grad_sample_mode=bk needs each layer's input to keep the batch as dim 0: "
-                                     f"layer {self.layer_names[m]!r} ({type(m).__name__}) got {tuple(a.shape)} for a "
-                                     f"batch of {n} (flattened or time-major?); reshape it to (batch, ..., features)")
-            layers.setdefault(m, []).append((a, g))
-        return layers
+    def _batch_first(self, m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> None:
+        if a.shape[0] != self._n or g.shape[0] != self._n:
+            raise WorkbenchError(f"grad_sample_mode=bk needs each layer's input to keep the batch as dim 0: "
+                                 f"layer {self.layer_names[m]!r} ({type(m).__name__}) got {tuple(a.shape)} for a "
+                                 f"batch of {self._n} (flattened or time-major?); reshape it to (batch, ..., features)")
 
-    def _gradients(self, batch, loss_fn: LossFn, retain: bool):
-        losses, records = self._run(batch, loss_fn)
-        grads = torch.autograd.grad(losses.sum(), [edge for _, _, edge in records], retain_graph=retain,
-                                    allow_unused=True)
-        return losses, self._by_layer(records, grads, len(losses))
+    def _arrive(self, m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> None:
+        """A tapped call's g, during the backward: its per-sample gradients, added to the layer's."""
+        if self._arrived is None:
+            return
+        self._batch_first(m, a, g)
+        entry = self._arrived.get(m)
+        if entry is None:
+            entry = self._arrived[m] = [None, []]
+        if entry[0] is None:
+            entry[0] = self.rules[m].per_sample(m, a, g)
+        else:  # a reused layer: its calls' per-sample gradients add up
+            for name, t in self.rules[m].per_sample(m, a, g).items():
+                entry[0][name].add_(t)
+
+    def _backward(self, batch, loss_fn: LossFn, retain: bool, collect: bool):
+        """The forward and the one backward; returns the losses and, per layer, [per-sample gradients or None, kept
+        calls (a, g)]."""
+        losses, kept, taps = self._run(batch, loss_fn, collect)
+        self._arrived, self._n = {}, len(losses)
+        try:
+            if losses.requires_grad:
+                edges = [edge for _, _, edge in kept] + ([get_gradient_edge(self._anchor)] if taps else [])
+                grads = torch.autograd.grad(losses.sum(), edges, retain_graph=retain, allow_unused=True)
+                for (m, a, _), g in zip(kept, grads):
+                    if g is not None:  # None: this output did not reach the loss
+                        self._batch_first(m, a, g)
+                        self._arrived.setdefault(m, [None, []])[1].append((a, g))
+            return losses, self._arrived
+        finally:
+            self._arrived = None
 
     def check(self, batch, loss_fn: LossFn) -> None:
         """On a real batch, in the model's training mode: each example's row of bk must be that example's own gradient
@@ -101,12 +153,11 @@ class BookKeeping(Strategy):
         was_training = self.module.training
         self.module.train()  # the mode it trains in, whatever mode it was handed over in
         try:
-            losses, layers = self._gradients(batch, loss_fn, retain=True)
+            losses, arrived = self._backward(batch, loss_fn, retain=True, collect=True)
         finally:
             self.module.train(was_training)
+        layers = {m: calls for m, (_, calls) in arrived.items()}
         n = len(losses)
-        if n < 2:  # one example cannot show mixing; accumulate checks the first larger batch
-            return
         params = [p for m in self.layers for p in m.parameters(recurse=False) if p.requires_grad]
         tolerance = check_tolerance(params[0].dtype)
         exact = torch.promote_types(params[0].dtype, torch.float32)
@@ -125,20 +176,35 @@ class BookKeeping(Strategy):
                     ref = ref.to_dense()
                 got, magnitude = mine.get(id(p), (torch.zeros_like(ref), torch.zeros_like(ref)))
                 require_own(k, self.names[id(p)], "bk", got, ref, magnitude, tolerance)
-        self.checked = True
+        # one example still shows a weight used outside its layer, not mixing: the first larger batch is checked too
+        self.checked = n > 1
 
     def accumulate(self, batch, loss_fn: LossFn, view_of: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Add the micro-batch's clipped gradient sum into ``view_of`` (parameter id -> gradient buffer view)."""
-        if not self.checked:  # GradientStep.check normally did this before training
-            self.check(batch, loss_fn)
-        losses, layers = self._gradients(batch, loss_fn, retain=False)
+        """Add the micro-batch's clipped gradient sum into ``view_of`` (parameter id -> gradient buffer view). Not
+        checked here: GradientStep checks before training, or the micro-batch first while ``checked`` is False, in the
+        parameters' precision (``loss_fn`` here may autocast, which the check's comparison with autograd cannot)."""
+        losses, arrived = self._backward(batch, loss_fn, retain=False, collect=False)
         n = len(losses)
         dtype = torch.promote_types(next(iter(view_of.values())).dtype, torch.float32)
         norms2 = torch.zeros(n, device=losses.device, dtype=dtype)
-        states = {m: self.rules[m].prepare(m, calls, n) for m, calls in layers.items()}
-        for m, state in states.items():
-            norms2.add_(self.rules[m].norms2(m, state, n))
+        kept = []
+        for m, (per_sample, calls) in arrived.items():
+            rule = self.rules[m]
+            if per_sample is not None:
+                for a, g in calls:  # a layer whose calls took both routes: all per-sample
+                    for name, t in rule.per_sample(m, a, g).items():
+                        per_sample[name].add_(t)
+                for t in per_sample.values():
+                    norms2.add_(squares(t))
+            elif calls:
+                state = rule.prepare(m, calls, n)
+                norms2.add_(rule.norms2(m, state, n))
+                kept.append((rule, m, state))
         factor = clip_factors(norms2.sqrt_(), self.clip)
-        for m, state in states.items():
-            self.rules[m].add_clipped(m, state, factor, view_of)
+        for m, (per_sample, _) in arrived.items():
+            for name, t in (per_sample or {}).items():
+                view = view_of[id(getattr(m, name))]
+                view.add_(weighted_sum(t, factor.to(t.dtype)))  # in float32 at least, cast when added
+        for rule, m, state in kept:
+            rule.add_clipped(m, state, factor, view_of)
         return losses.detach()

@@ -1,13 +1,18 @@
-"""Book-keeping's per-layer rules: from a layer's inputs ``a`` and output gradients ``g`` (one pair per call in the
-micro-batch, batch first), the per-sample squared gradient norms and the clipped sum, without per-sample gradients
-where the layer allows it.
+"""Book-keeping's per-layer rules: from a layer's input ``a`` and output gradient ``g`` (batch first), each call's
+part of the per-sample squared gradient norms and of the clipped sum.
 
-Each rule offers
+Book-keeping hands a rule each call's (a, g) during the backward, as g arrives. The rule takes one of two routes:
+- per-sample gradients (``keeps`` false): ``per_sample(m, a, g)`` forms them at once, (n, *shape) per parameter, and
+  a and g are let go; the norms are theirs, the clipped sum one matrix-vector product. Taken where they are no larger
+  than a and g (convolutions, sequences through narrow layers, normalisation affine parameters): memory like a
+  non-private step's, and the clipped sum costs no second weight-gradient kernel.
+- kept calls (``keeps`` true): (a, g) are held until the clip factors are known, then
   ``prepare(m, calls, n)``              what the two steps below share (e.g. the calls joined), computed once;
   ``norms2(m, state, n)``               (n,) squared per-sample norms of m's trainable parameters' gradients (float32+);
-  ``add_clipped(m, state, f, view_of)`` sum_i f_i grad_i into each trainable parameter's buffer view;
-  ``sample(m, calls, k, absolute)``     example k's own gradient per parameter name (``absolute``: the same sum over
-                                        |terms|, the check's rounding scale).
+  ``add_clipped(m, state, f, view_of)`` sum_i f_i grad_i into each trainable parameter's buffer view.
+  Taken where per-sample gradients would be larger (one row per example through a Linear, embeddings, wide layers).
+``sample(m, calls, k, absolute)`` is the pre-run check's independent route: example k's own gradient per parameter name
+(``absolute``: the same sum over |terms|, the check's rounding scale).
 Only parameters with ``requires_grad`` are clipped (a frozen bias or base weight is skipped). Rules work in float32 at
 least: under bf16/fp16 autocast a and g arrive in half precision, and norms, clip factors and the clipped sum must not
 round there; the sum is cast to the buffer's dtype only when added.
@@ -25,7 +30,7 @@ Calls = list[tuple[torch.Tensor, torch.Tensor]]  # (layer input a, gradient g of
 
 
 def trainable(m: nn.Module) -> list[str]:
-    return [name for name, p in m.named_parameters(recurse=False) if p.requires_grad]
+    return [name for name, p in m._parameters.items() if p is not None and p.requires_grad]  # no generator: per call
 
 
 def _norm_dtype(t: torch.Tensor) -> torch.dtype:
@@ -37,31 +42,17 @@ def _precise(t: torch.Tensor) -> torch.Tensor:
     return t.to(_norm_dtype(t)) if t.is_floating_point() else t
 
 
-def _squares(t: torch.Tensor) -> torch.Tensor:
-    """(n, ...) -> (n,) sums of squares in float32 at least."""
-    return torch.linalg.vector_norm(t.reshape(len(t), -1), dim=1, dtype=_norm_dtype(t)).square_()  # no temporary
+def squares(t: torch.Tensor) -> torch.Tensor:
+    """(n, ...) -> (n,) sums of squares in float32 at least (strided t read in place: no copy)."""
+    return torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim())), dtype=_norm_dtype(t)).square_()
 
 
-class Materialised:
-    """For layers whose per-sample gradients are small (normalisation affine parameters): form them, (n, *shape)."""
-
-    def per_sample(self, m: nn.Module, calls: Calls, absolute: bool = False) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
-
-    def prepare(self, m, calls, n):
-        return self.per_sample(m, calls)
-
-    def norms2(self, m, state, n):
-        return sum(_squares(gs) for gs in state.values())
-
-    def add_clipped(self, m, state, factor, view_of):
-        for name, gs in state.items():
-            view = view_of[id(getattr(m, name))]
-            view.view(-1).addmv_(gs.reshape(len(gs), -1).t().to(view.dtype), factor.to(view.dtype))
-
-    def sample(self, m, calls, k, absolute=False):
-        return {name: gs[0] for name, gs in self.per_sample(m, [(a[k:k + 1], g[k:k + 1]) for a, g in calls],
-                                                             absolute).items()}
+def weighted_sum(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """sum_i factor_i t_i for per-sample gradients t (n, *shape), one matrix-vector product (t may be a transposed
+    view, as the Linear rule forms it)."""
+    if t.dim() == 3 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous():
+        return torch.mv(t.transpose(1, 2).reshape(len(t), -1).t(), factor).view(t.shape[2], t.shape[1]).t()
+    return torch.mv(t.reshape(len(t), -1).t(), factor).view(t.shape[1:])
 
 
 def _cat(ts: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -72,10 +63,63 @@ def _abs(t: torch.Tensor, absolute: bool) -> torch.Tensor:
     return t.abs() if absolute else t
 
 
+def _per_example(t: torch.Tensor) -> int:
+    return t.numel() // max(1, len(t))
+
+
+PER_SAMPLE_IF = 1.0  # per-sample gradients formed where they take at most this many times the memory of a and g
+
+
+def smaller_kept(m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether holding a and g costs clearly less memory than m's trainable per-sample gradients (forming those saves
+    the clipped sum's weight-gradient kernel: within a margin they are worth their memory)."""
+    return PER_SAMPLE_IF * (_per_example(a) + _per_example(g)) < sum(getattr(m, name).numel() for name in trainable(m))
+
+
+class Materialised:
+    """For layers whose per-sample gradients are small (normalisation affine parameters): always formed."""
+
+    @staticmethod
+    def keeps(m, a, g) -> bool:
+        return False
+
+    def per_sample(self, m: nn.Module, a: torch.Tensor, g: torch.Tensor, absolute: bool = False) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def sample(self, m, calls, k, absolute=False):
+        out: dict[str, torch.Tensor] = {}
+        for a, g in calls:
+            for name, gs in self.per_sample(m, a[k:k + 1], g[k:k + 1], absolute).items():
+                out[name] = out[name] + gs[0] if name in out else gs[0]
+        return out
+
+
 class LinearRule:
-    """nn.Linear on (n, d) or (n, ..., d) inputs: ||g_i a_i^T||^2 = ||a_i||^2 ||g_i||^2 for one row per example,
-    else the per-sample gradient sum_t g_it a_it^T is formed (exact and never negative, unlike the Gram-matrix
-    "ghost" norm in float32). The clipped sum is one matmul."""
+    """nn.Linear on (n, d) or (n, ..., d) inputs. One row per example: ||g_i a_i^T||^2 = ||a_i||^2 ||g_i||^2, the calls
+    kept, the clipped sum one matmul. Sequences: the per-sample gradient sum_t g_it a_it^T (one batched matmul, exact
+    and never negative, unlike the Gram-matrix "ghost" norm in float32), kept in place of a and g where smaller."""
+
+    @staticmethod
+    def keeps(m, a, g) -> bool:
+        return a.dim() == 2 or smaller_kept(m, a, g)
+
+    @staticmethod
+    def per_sample(m, a, g):
+        n = len(a)
+        a, g = _precise(a).reshape(n, -1, a.shape[-1]), _precise(g).reshape(n, -1, g.shape[-1])
+        names = trainable(m)
+        out = {"weight": LinearRule._weights(a, g)} if "weight" in names else {}
+        if "bias" in names:
+            out["bias"] = g.sum(1)
+        return out
+
+    @staticmethod
+    def _weights(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """(n, d_out, d_in) per-sample weight gradients sum_t g_t a_t^T of (n, T, d) inputs, one batched matmul with
+        the narrower side as rows (measured up to 5x faster on small matrices); then a transposed view."""
+        if a.shape[-1] <= g.shape[-1]:
+            return torch.bmm(a.transpose(1, 2), g).transpose(1, 2)
+        return torch.bmm(g.transpose(1, 2), a)
 
     @staticmethod
     def prepare(m, calls: Calls, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,9 +137,9 @@ class LinearRule:
             return out.add_(gg) if "bias" in names else out
         out = torch.zeros(n, device=g.device, dtype=dtype)
         if "weight" in names:
-            out.add_(_squares(torch.bmm(g.transpose(1, 2), a)))
+            out.add_(squares(self._weights(a, g)))
         if "bias" in names:
-            out.add_(_squares(g.sum(1)))
+            out.add_(squares(g.sum(1)))
         return out
 
     def add_clipped(self, m, state, factor, view_of):
@@ -120,6 +164,10 @@ class EmbeddingRule:
     """nn.Embedding: example i's gradient has one row per distinct index it looks up, the sum of its g rows for
     that index. Norms come from summing rows per (example, index) pair -- collisions within an example add up,
     across examples they do not -- with no dense (n, V, d) tensor; the clipped sum is one index_add_."""
+
+    @staticmethod
+    def keeps(m, a, g) -> bool:
+        return True
 
     @staticmethod
     def prepare(m, calls: Calls, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,15 +198,20 @@ class EmbeddingRule:
 
 
 class ConvRule:
-    """nn.Conv1d / nn.Conv2d, on unfolded patches U_i (C_in k, L) and output gradients g_i (C_out, L) per group.
-    Per-sample norms: from the per-sample gradient g_i U_i^T, or, where cheaper (``use_gram``), by the Gram trick
-    ||g_i U_i^T||^2 = sum_{l,l'} (U_i^T U_i)(g_i^T g_i), in float64 against cancellation; in chunks of examples
-    (bounded memory). The clipped sum is the layer's own weight-gradient kernel (convolution_backward) on the
-    clip-scaled output gradient. (Forming per-sample gradients by a convolution with the batch folded into the groups,
-    as expanded weights does, measured no faster than the unfold on the small CNN.)"""
+    """nn.Conv1d / nn.Conv2d. Per-sample gradients by the layer's own weight-gradient kernel (convolution_backward) with
+    the examples folded into the groups: one call, no unfolded patches (measured 2-6x faster than unfold + batched
+    matmul on the ResNet preset's stride-1 layers). Kept instead where a and g are smaller (many channels on few positions); their norms
+    then come from per-sample gradients formed a chunk of examples at a time, or, where cheaper (``use_gram``), by
+    the Gram trick ||g_i U_i^T||^2 = sum_{l,l'} (U_i^T U_i)(g_i^T g_i) on unfolded patches U_i, in float64 against
+    cancellation; their clipped sum is the layer's weight-gradient kernel on the clip-scaled output gradient."""
 
-    CHUNK_ELEMENTS = 2 ** 18  # patches, Gram matrices, per-sample gradients formed at once: 1-2 MiB
-    GRAM_IF = 1.0  # Gram when GRAM_IF * L^2 (C_in k + C_out) < L C_in k C_out per group (benchmarks/RESULTS.md)
+    CHUNK_ELEMENTS = 2 ** 18  # patches, Gram matrices, per-sample gradients formed at once for kept calls: 1-2 MiB
+    GRAM_IF = 1.0  # Gram when GRAM_IF * L^2 (C_in k + C_out) < L C_in k C_out per group (flops; the small CNN's
+    # kept layer measured alike either way, a wide 256-channel 4x4 layer 3x faster by Gram)
+
+    @staticmethod
+    def keeps(m, a, g) -> bool:
+        return smaller_kept(m, a, g)
 
     @staticmethod
     def _padded(m, a: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -169,15 +222,29 @@ class ConvRule:
             return F.pad(a, m._reversed_padding_repeated_twice, mode=mode), (0,) * len(m.kernel_size)
         return a, tuple(m.padding)
 
+    @staticmethod
+    def _weight_grad(m, x, padding, g, examples: int = 1) -> torch.Tensor:
+        """The weight gradient by the layer's own kernel: summed over the batch, or (``examples`` = n) per example,
+        (n * C_out, C_in / groups, *k), by folding the examples into the groups."""
+        if examples > 1:
+            x, g = x.reshape(1, -1, *x.shape[2:]), g.reshape(1, -1, *g.shape[2:])
+        return torch.ops.aten.convolution_backward(
+            g, x, x.new_empty(1).expand(examples * m.weight.shape[0], *m.weight.shape[1:]), None, m.stride, padding,
+            m.dilation, False, (0,) * len(padding), m.groups * examples, (False, True, False))[1]
+
+    def per_sample(self, m, a, g):
+        n, names = len(a), trainable(m)
+        g = _precise(g)
+        out = {}
+        if "weight" in names:
+            x, padding = self._padded(m, _precise(a))
+            out["weight"] = self._weight_grad(m, x, padding, g, n).view(n, *m.weight.shape)
+        if "bias" in names:
+            out["bias"] = g.flatten(2).sum(2)
+        return out
+
     def prepare(self, m, calls, n):
         return [(*self._padded(m, _precise(a)), _precise(g)) for a, g in calls]
-
-    @staticmethod
-    def _weight_grad(m, x, padding, g) -> torch.Tensor:
-        """The weight gradient summed over the batch, by the layer's own kernel."""
-        return torch.ops.aten.convolution_backward(
-            g, x, x.new_empty(1).expand(m.weight.shape), None, m.stride, padding, m.dilation, False,
-            (0,) * len(padding), m.groups, (False, True, False))[1]
 
     def use_gram(self, m, length: int) -> bool:
         """Per-sample norms by the Gram trick (else from per-sample gradients) at L output positions (all calls)."""
@@ -207,16 +274,16 @@ class ConvRule:
             step = max(1, self.CHUNK_ELEMENTS // per)
             for s in range(0, n, step):
                 chunk = [(x[s:s + step], padding, g[s:s + step]) for x, padding, g in state]
-                # unfolded patches, the calls joined along positions
-                u = _cat([self._patches(m, x, padding) for x, padding, _ in chunk], -1)
-                g = _cat([g.reshape(len(g), m.groups, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
-                if gram:
-                    u, g = u.to(torch.float64), g.to(torch.float64)
+                if gram:  # unfolded patches, the calls joined along positions
+                    u = _cat([self._patches(m, x, padding) for x, padding, _ in chunk], -1).to(torch.float64)
+                    g = _cat([g.reshape(len(g), m.groups, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
+                    g = g.to(torch.float64)
                     out[s:s + step] = (u.transpose(-1, -2) @ u).mul_(g.transpose(-1, -2) @ g).sum((1, 2, 3)).to(dtype)
                 else:
-                    out[s:s + step] = _squares(g @ u.transpose(-1, -2))
+                    out[s:s + step] = squares(sum(self._weight_grad(m, x, padding, g, len(g)).view(len(g), -1)
+                                                   for x, padding, g in chunk))
         if "bias" in names:
-            out.add_(_squares(sum(g.flatten(2).sum(-1) for _, _, g in state)))
+            out.add_(squares(sum(g.flatten(2).sum(-1) for _, _, g in state)))
         return out
 
     def add_clipped(self, m, state, factor, view_of):
@@ -245,36 +312,31 @@ class LayerNormRule(Materialised):
     """nn.LayerNorm (and nn.RMSNorm): weight gradient sum over positions of g * x_hat, bias gradient sum of g;
     x_hat is recomputed from the layer's input."""
 
-    def per_sample(self, m, calls, absolute=False):
-        out: dict[str, torch.Tensor] = {}
-        for a, g in calls:
-            shape = m.normalized_shape
-            a32, g32 = a.to(_norm_dtype(a)), g.to(_norm_dtype(g))
-            x_hat = F.rms_norm(a32, shape, eps=m.eps) if isinstance(m, nn.RMSNorm) else \
-                F.layer_norm(a32, shape, eps=m.eps)
-            keep = tuple(range(1, a.dim() - len(shape)))
-            x_hat, g32 = _abs(x_hat, absolute), _abs(g32, absolute)
-            grads = {"weight": (g32 * x_hat).sum(keep) if keep else g32 * x_hat,
-                     "bias": g32.sum(keep) if keep else g32}
-            for name in trainable(m):
-                out[name] = out[name] + grads[name] if name in out else grads[name]
+    def per_sample(self, m, a, g, absolute=False):
+        shape = m.normalized_shape
+        a32, g32 = _precise(a), _precise(g)
+        x_hat = F.rms_norm(a32, shape, eps=m.eps) if isinstance(m, nn.RMSNorm) else F.layer_norm(a32, shape, eps=m.eps)
+        keep = tuple(range(1, a.dim() - len(shape)))
+        x_hat, g32 = _abs(x_hat, absolute), _abs(g32, absolute)
+        names = trainable(m)
+        out = {"weight": (g32 * x_hat).sum(keep) if keep else g32 * x_hat} if "weight" in names else {}
+        if "bias" in names:
+            out["bias"] = g32.sum(keep) if keep else g32
         return out
 
 
 class GroupNormRule(Materialised):
     """nn.GroupNorm: per channel, weight gradient sum over positions of g * x_hat, bias gradient sum of g."""
 
-    def per_sample(self, m, calls, absolute=False):
-        out: dict[str, torch.Tensor] = {}
-        for a, g in calls:
-            a32, g32 = a.to(_norm_dtype(a)), g.to(_norm_dtype(g))
-            x_hat = _abs(F.group_norm(a32, m.num_groups, eps=m.eps), absolute)
-            g32 = _abs(g32, absolute)
-            spatial = tuple(range(2, a.dim()))
-            grads = {"weight": (g32 * x_hat).sum(spatial) if spatial else g32 * x_hat,
-                     "bias": g32.sum(spatial) if spatial else g32}
-            for name in trainable(m):
-                out[name] = out[name] + grads[name] if name in out else grads[name]
+    def per_sample(self, m, a, g, absolute=False):
+        g32 = _abs(_precise(g), absolute)
+        names = trainable(m)
+        out = {}
+        if "weight" in names:
+            x_hat = _abs(F.group_norm(_precise(a), m.num_groups, eps=m.eps), absolute)
+            out["weight"] = torch.linalg.vecdot(g32.flatten(2), x_hat.flatten(2)) if a.dim() > 2 else g32 * x_hat
+        if "bias" in names:
+            out["bias"] = g32.flatten(2).sum(2) if a.dim() > 2 else g32
         return out
 
 
