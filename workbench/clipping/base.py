@@ -46,7 +46,10 @@ def require_own(k: int, name: str, mode: str, got: torch.Tensor, ref: torch.Tens
     """The pre-run check's verdict on one parameter: example k's row ``got`` must equal autograd's gradient ``ref``
     of example k's loss alone, up to rounding. Rounding grows with the terms summed (``magnitude``: the same sum over
     |terms|), not with their possibly cancelling sum; in half precision small entries underflow, hence the floor at
-    the parameter's largest term. ``floor``: rounding noise allowed everywhere (for a check that cannot see the terms)."""
+    the parameter's largest term. ``floor``: rounding noise allowed everywhere (for a check that cannot see the terms).
+    A gradient that is not finite is not compared: training zeroes that example's contribution (:func:`clip_factors`)."""
+    if not bool(torch.isfinite(ref).all()):
+        return
     bound = tolerance * (ref.abs() + magnitude + float(magnitude.max()) * tolerance) + floor + 1e-12
     if not bool(((got - ref).abs() <= bound).all()):
         raise WorkbenchError(
