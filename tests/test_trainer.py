@@ -304,7 +304,7 @@ def test_non_finite_update_stops_the_run_at_its_step_and_keeps_the_last_good_che
 
 def test_nan_data_in_a_private_run_zeroes_those_examples_and_the_run_goes_on(make_cfg, mlflow_uri):
     """Every example is NaN from step 5 on: each contributes 0 (a function of itself alone, norm <= C), so the release
-    is the noise alone, finite: no stop, no skipped step, nothing that tells the data apart without noise."""
+    is the noise alone, finite: no stop and no skipped step that would tell the data apart without noise."""
     from workbench import train
 
     result = train(make_cfg("experiment=quick", "data.train._target_=tests.plugins.PoisonedSynthetic",
