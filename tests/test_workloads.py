@@ -520,8 +520,8 @@ def test_an_overflowing_example_is_left_out_of_its_step_silently_and_the_run_goe
     assert {key for metrics, _ in scaled.tracker.lines for key in metrics} == {
         "loss", "learning_rate", "samples_per_second", "epoch", "epsilon"}
     assert not [r for r in caplog.records if r.name.startswith("workbench")]
-    without = [b if i != 1 else (b[0][[i for i in range(12) if i != 3]], b[1][[i for i in range(12) if i != 3]])
-               for i, b in enumerate(_batches())]
+    without = _batches()
+    without[1] = tuple(t[[i for i in range(12) if i != 3]] for t in without[1])
     plain = _scaled_run(None, without, mode=mode)
     plain.trainer.fit()
     for p, q in zip(plain.model.parameters(), scaled.model.parameters()):
@@ -540,8 +540,8 @@ def test_fp16_on_cuda_leaves_an_overflowing_example_out_and_follows_the_float32_
     assert scaled.trainer.fit() == 4
     assert scaled.step_fn.scale == 2.0 ** 10 and scaled.applied.steps == [1, 2, 3, 4]
     assert scaled.step_fn.update.is_cuda and scaled.step_fn.update.dtype == torch.float32
-    without = [b if i != 1 else (b[0][[i for i in range(12) if i != 3]], b[1][[i for i in range(12) if i != 3]])
-               for i, b in enumerate(_batches())]
+    without = _batches()
+    without[1] = tuple(t[[i for i in range(12) if i != 3]] for t in without[1])
     plain = _scaled_run(None, without, device="cuda", mode=mode)
     plain.trainer.fit()
     for p, q in zip(plain.model.parameters(), scaled.model.parameters()):
