@@ -302,7 +302,7 @@ class Trainer:
             return
         what = "the noised update" if not bool(finite[0]) else "the parameters"
         raise TrainingStopped(f"training stopped at step {step}: {what} became non-finite (NaN/inf); try a "
-                              "lower learning_rate; checkpoints of earlier steps are kept")
+                              "lower learning_rate, and check the data for NaN/inf; checkpoints of earlier steps are kept")
 
     def fit(self) -> int:
         """Train from start_step to total_steps; returns the number of steps taken in all."""
