@@ -74,6 +74,17 @@ MUTANTS = (
            "used outside its layer trains with micro-batches of one",
            "workbench/clipping/book_keeping.py", "        for k in range(n):", "        for k in range(n if n > 1 else 0):",
            ("tests/test_clipping.py::test_a_weight_used_outside_its_layer_is_refused_one_example_at_a_time[bk]",)),
+    Mutant("non-finite-factor-kept", "an example whose norm is NaN keeps a NaN clip factor: one example's data makes "
+           "the release non-finite (an event seen without noise)",
+           "workbench/clipping/base.py", ".clamp_(max=1.0).nan_to_num_(nan=0.0)", ".clamp_(max=1.0)",
+           ("tests/test_clipping.py::test_an_example_with_a_non_finite_gradient_contributes_zero_and_the_others_are_"
+            "unchanged[hooks-nan]",)),
+    Mutant("non-finite-rows-summed", "a zeroed example's inf rows still enter the clipped sum: 0 * inf = NaN",
+           "workbench/clipping/base.py", "return zero if bool(zero.any()) else None", "return None",
+           ("tests/test_clipping.py::test_an_example_with_a_non_finite_gradient_contributes_zero_and_the_others_are_"
+            "unchanged[bk-nan]",
+            "tests/test_clipping.py::test_an_example_with_a_non_finite_gradient_contributes_zero_and_the_others_are_"
+            "unchanged[hooks-overflow]")),
     Mutant("pinned-seed-logged", "a pinned secure_seed reaches MLflow's params unredacted",
            "workbench/tracking.py", 'container["privacy"]["secure_seed"] = "<redacted>"', "pass",
            ("tests/test_resume.py::test_streams_are_secret_unless_pinned",)),

@@ -3,6 +3,8 @@
 import os
 import signal
 
+import torch
+
 from workbench.data import Synthetic
 
 
@@ -126,6 +128,22 @@ class FailingSynthetic(Synthetic):
         if os.environ.get("WB_FAIL_AT_FETCH") == str(self.fetches):
             raise RuntimeError(f"injected failure at fetch {self.fetches}")
         return super().__getitems__(indices)
+
+
+class DivergingSGD(torch.optim.SGD):
+    """SGD (an optimizer `_target_`, partial) whose learning rate turns infinite at its `diverge_at`-th step: a run
+    whose parameters diverge mid-training, whatever its data."""
+
+    def __init__(self, params, diverge_at: int = 5, **kwargs):
+        super().__init__(params, **kwargs)
+        self.diverge_at, self.steps = diverge_at, 0
+
+    def step(self, closure=None):
+        self.steps += 1
+        if self.steps == self.diverge_at:
+            for group in self.param_groups:
+                group["lr"] = float("inf")
+        return super().step(closure)
 
 
 class ModulesAtExit:

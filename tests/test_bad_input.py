@@ -94,6 +94,7 @@ KINDS = [
     (["audit.significance=1"], "audit.significance must be in (0, 1)"),
     (["sweep.poisson_mean=inf"], "sweep.poisson_mean must be a finite number > 0, got inf"),
     (["sweep.tnb_gamma=1"], "sweep.tnb_gamma must be in (0, 1)"),
+    (["fp16_loss_scale=65536"], "fp16_loss_scale must be in (0, 32768]"),
     # Names, refused knobs, cross-field rules, interpolations.
     (["lr_scheduler_type=exotic"], "lr_scheduler_type='exotic' is unknown"),
     (["ddp_shard=diagonal"], "ddp_shard='diagonal' is unknown"),

@@ -275,16 +275,20 @@ def test_step_refuses_a_batch_mean_loss_and_a_model_without_trainable_parameters
 @pytest.mark.parametrize("private", [True, False])
 def test_non_finite_update_stops_the_run_at_its_step_and_keeps_the_last_good_checkpoint(make_cfg, mlflow_uri, tmp_path,
                                                                                          private):
+    """Non-private: NaN data from step 5 on turns the update non-finite. Private: an example's NaN only zeroes its own
+    contribution (the next test), so what stops a private run is divergence: here the optimizer's, at step 5."""
     from mlflow import MlflowClient
 
     from workbench import train
     from workbench.errors import TrainingStopped
 
-    cfg = make_cfg("experiment=quick", "data.train._target_=tests.plugins.PoisonedSynthetic", "+data.train.poison_from=5",
-                   "save_steps=2", "logging_steps=1", *([] if private else ["privacy=none"]))
+    cause = ["optimizer._target_=tests.plugins.DivergingSGD", "+optimizer.diverge_at=5"] if private else \
+        ["data.train._target_=tests.plugins.PoisonedSynthetic", "+data.train.poison_from=5", "privacy=none"]
+    cfg = make_cfg("experiment=quick", "save_steps=2", "logging_steps=1", *cause)
     with pytest.raises(TrainingStopped) as err:
         train(cfg)
-    assert str(err.value).startswith("training stopped at step 5: the noised update became non-finite")
+    what = "the parameters" if private else "the noised update"
+    assert str(err.value).startswith(f"training stopped at step 5: {what} became non-finite")
     assert "\n" not in str(err.value)
     client = MlflowClient(tracking_uri=mlflow_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])
@@ -296,6 +300,17 @@ def test_non_finite_update_stops_the_run_at_its_step_and_keeps_the_last_good_che
     assert saved == ["checkpoint-2.pt", "checkpoint-4.pt"]  # written before the bad step; none after it
     state = torch.load(list_checkpoints(tmp_path / "run")[-1], weights_only=False)
     assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_nan_data_in_a_private_run_zeroes_those_examples_and_the_run_goes_on(make_cfg, mlflow_uri):
+    """Every example is NaN from step 5 on: each contributes 0 (a function of itself alone, norm <= C), so the release
+    is the noise alone, finite: no stop and no skipped step that would tell the data apart without noise."""
+    from workbench import train
+
+    result = train(make_cfg("experiment=quick", "data.train._target_=tests.plugins.PoisonedSynthetic",
+                            "+data.train.poison_from=5", "tracking.enabled=false"))
+    assert result.steps == 20
+    assert all(bool(torch.isfinite(p).all()) for p in result.model.parameters())
 
 
 def test_update_is_the_clipped_sum_over_the_expected_batch_not_the_realised_one(make_cfg, tmp_path):

@@ -399,13 +399,11 @@ def test_cuda_step_matches_the_per_example_loop(dtype):
     ce = nn.functional.cross_entropy
     expected = _reference(_TwoInputs, range(len(y)), lambda m, i: ce(m(a[i:i + 1], b[i:i + 1]).logits, y[i:i + 1]), 0.5)
     d = setup("gloo")
-    from workbench.trainer import LossScaler
-
-    # fp16: a loss scale these magnitudes keep finite (a larger one may overflow, and the trainer would skip the
-    # step: tested below); none for bf16 and float32
-    scaler = LossScaler(init_scale=2.0 ** 8) if dtype == torch.float16 else None
+    # fp16: a loss scale these magnitudes keep finite (at a larger one an example may overflow and contribute 0:
+    # tested below); none for bf16 and float32
     step = GradientStep(_TwoInputs().cuda(), nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=0.5,
-                        noise_multiplier=0.0, grad_sample_mode="hooks", autocast_dtype=dtype, loss_scaler=scaler)
+                        noise_multiplier=0.0, grad_sample_mode="hooks", autocast_dtype=dtype,
+                        loss_scale=2.0 ** 8 if dtype == torch.float16 else None)
     step(raw, step=0)
     step.divide_(1.0)  # divides by the loss scale S: the clipped sum itself
     tolerance = dict(rtol=1e-4, atol=1e-5) if dtype is None else dict(rtol=5e-2, atol=2e-2)
@@ -414,8 +412,8 @@ def test_cuda_step_matches_the_per_example_loop(dtype):
         torch.testing.assert_close(p.grad.cpu(), e, **tolerance)
 
 
-# fp16 loss scaling: the scaler's policy and its place in the contract, on CPU in float32 (a huge initial scale forces
-# the overflow that fp16 would give); the same run on CUDA in fp16 is the gpu test below.
+# fp16's fixed loss scale and the zeroing of an example whose backward overflows, in a real Trainer: on CPU in float32
+# (a large scale and an outlier overflow float32 as fp16 overflows at 65504); the same in fp16 on CUDA: the gpu tests.
 
 class _Lines:
     """Records the step lines the trainer sends (a stand-in for the tracker: this tests the trainer's own logic)."""
@@ -445,24 +443,28 @@ class _Applied:
 
 def _mlp():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
 
 
-def _scaled_run(scaler, *, start_step=0, steps=4, device="cpu", autocast_dtype=None, mode="bk"):
-    """A real Trainer on a real GradientStep (noise on, sigma=1), fed fixed batches; returns what the tests read."""
+def _batches(steps=4):
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(12, 6, generator=g) * 3, torch.randint(0, 3, (12,), generator=g)) for _ in range(steps)]
+
+
+def _scaled_run(scale, batches, *, start_step=0, device="cpu", autocast_dtype=None, mode="bk"):
+    """A real Trainer on a real GradientStep (noise on, sigma=1), fed ``batches``; returns what the tests read."""
     from types import SimpleNamespace
 
     from workbench.callbacks import CallbackList
     from workbench.privacy import Accountant
     from workbench.trainer import Trainer
 
-    g = torch.Generator().manual_seed(5)
-    batches = [(torch.randn(12, 6, generator=g) * 3, torch.randint(0, 3, (12,), generator=g)) for _ in range(steps)]
+    steps = len(batches)
     model = _mlp().to(device)
     d = setup("gloo")
     step_fn = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=0.5, noise_multiplier=1.0,
-                           grad_sample_mode=mode, noise_seed=7, autocast_dtype=autocast_dtype, loss_scaler=scaler)
-    step_fn.check(batches[0])
+                           grad_sample_mode=mode, noise_seed=7, autocast_dtype=autocast_dtype, loss_scale=scale)
+    step_fn.check(_batches()[0])
     optimizer = torch.optim.SGD(step_fn.params, lr=0.5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     accountant = Accountant("pld", 0.1, 1.0)
@@ -472,39 +474,32 @@ def _scaled_run(scaler, *, start_step=0, steps=4, device="cpu", autocast_dtype=N
                       tracker, 12.0, 120, steps, start_step, lambda s: None,
                       CallbackList([applied], model, list(model.named_parameters()), steps))
     return SimpleNamespace(trainer=trainer, model=model, step_fn=step_fn, accountant=accountant, applied=applied,
-                           tracker=tracker, start=[p.detach().clone() for p in model.parameters()])
+                           tracker=tracker)
 
 
-def test_loss_scaler_shrinks_on_overflow_grows_after_good_steps_and_stops_shrinking_at_its_floor():
-    from workbench.trainer import LossScaler
-
-    s = LossScaler(init_scale=8.0, growth_interval=2, min_scale=2.0)
-    assert s.update(False) and s.scale == 4.0 and s.skipped_steps == 1
-    assert not s.update(True) and s.scale == 4.0
-    assert not s.update(True) and s.scale == 8.0  # two good steps in a row: grown
-    assert not s.update(True) and s.update(False) and s.scale == 4.0 and s.good_steps == 0  # an overflow resets the count
-    assert s.update(False) and s.scale == 2.0
-    assert not s.update(False) and s.scale == 2.0 and s.skipped_steps == 3  # at the floor: not skipped, not shrunk
-    with pytest.raises(WorkbenchError, match="backoff_factor"):
-        LossScaler(backoff_factor=1.0)
+def test_fp16_scales_the_loss_by_a_fixed_scale_and_bf16_by_none():
     fp16 = GradientStep(_mlp(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=1.0,
                         noise_multiplier=1.0, autocast_dtype=torch.float16)
-    assert fp16.scaler is not None and fp16.scaler.scale == 2.0 ** 10  # fp16 scales by default
+    assert fp16.scale == 2.0 ** 10  # fp16_loss_scale's default
+    assert GradientStep(_mlp(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=1.0,
+                        noise_multiplier=1.0, autocast_dtype=torch.float16, loss_scale=8.0).scale == 8.0
     bf16 = GradientStep(_mlp(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=1.0,
                         noise_multiplier=1.0, autocast_dtype=torch.bfloat16)
-    assert bf16.scaler is None and bf16.scale == 1.0
+    assert bf16.scale == 1.0
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(WorkbenchError, match="loss scale must be a finite number > 0"):
+            GradientStep(_mlp(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=1.0,
+                         noise_multiplier=1.0, loss_scale=bad)
 
 
 @pytest.mark.parametrize("mode", ["bk", "hooks"])
 def test_loss_scaled_updates_equal_the_unscaled_run_for_the_same_noise(mode):
-    """Loss x S, clip to C*S, noise sigma*C*S, divide by S: DP-SGD's own update, whatever S does (here it grows
-    every step), so the trained parameters equal the unscaled run's."""
-    from workbench.trainer import LossScaler
-
-    plain = _scaled_run(None, mode=mode)
-    scaled = _scaled_run(LossScaler(init_scale=2.0 ** 20, growth_interval=1), mode=mode)
+    """Loss x S, clip to C*S, noise sigma*C*S, divide by S: DP-SGD's own update, so the trained parameters equal the
+    unscaled run's."""
+    plain = _scaled_run(None, _batches(), mode=mode)
+    scaled = _scaled_run(2.0 ** 20, _batches(), mode=mode)
     assert plain.trainer.fit() == scaled.trainer.fit() == 4
-    assert scaled.step_fn.scale == 2.0 ** 24 and scaled.step_fn.scaler.skipped_steps == 0
+    assert scaled.applied.steps == [1, 2, 3, 4]
     for p, q in zip(plain.model.parameters(), scaled.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     (loss_plain, _), (loss_scaled, _) = plain.tracker.lines[0], scaled.tracker.lines[0]
@@ -512,56 +507,42 @@ def test_loss_scaled_updates_equal_the_unscaled_run_for_the_same_noise(mode):
 
 
 @pytest.mark.parametrize("mode", ["bk", "hooks"])
-def test_an_overflowed_step_is_skipped_counted_by_the_accountant_and_logged(mode, caplog):
-    from workbench.trainer import LossScaler
-
-    # 2**200 overflows float32 as 2**16 overflows fp16; one backoff of 2**-180 brings it to 2**20
-    scaled = _scaled_run(LossScaler(init_scale=2.0 ** 200, backoff_factor=2.0 ** -180, growth_interval=2), mode=mode)
-    with caplog.at_level("WARNING", logger="workbench.trainer"):
+def test_an_overflowing_example_is_left_out_of_its_step_silently_and_the_run_goes_on(mode, caplog):
+    """An outlier whose scaled backward overflows (its activations reach 1e30, the gradient at the logits S = 2**40:
+    past float32's range) contributes 0: every step is applied and counted, nothing is logged about it (the count is
+    private), and the run equals the one trained without that example (same noise)."""
+    batches = _batches()
+    batches[1][0][3] *= 1e30
+    scaled = _scaled_run(2.0 ** 40, batches, mode=mode)
+    with caplog.at_level("DEBUG"):
         assert scaled.trainer.fit() == 4
-    assert scaled.step_fn.scaler.skipped_steps == 1 and scaled.step_fn.scale == 2.0 ** 21  # shrunk once, grown once
-    assert scaled.accountant.steps == 4  # the skipped step ran the mechanism: it is spent
-    assert scaled.applied.steps == [2, 3, 4]  # no optimizer step (nor callback) for step 1
-    assert "step 1's update overflowed; skipped" in caplog.text and "loss scale lowered to 1.04858e+06" in caplog.text
-    logged = {step: metrics for metrics, step in scaled.tracker.lines}
-    assert [logged[s]["skipped_steps"] for s in (1, 2, 3, 4)] == [1.0, 1.0, 1.0, 1.0]
-    assert [logged[s]["loss_scale"] for s in (1, 2, 3, 4)] == [2.0 ** 20, 2.0 ** 20, 2.0 ** 21, 2.0 ** 21]
-    # After the skip the run is the unscaled run started at step 1 from the untouched parameters (same noise).
-    plain = _scaled_run(None, start_step=1, mode=mode)
+    assert scaled.accountant.steps == 4 and scaled.applied.steps == [1, 2, 3, 4]
+    assert {key for metrics, _ in scaled.tracker.lines for key in metrics} == {
+        "loss", "learning_rate", "samples_per_second", "epoch", "epsilon"}
+    assert not [r for r in caplog.records if r.name.startswith("workbench")]
+    without = _batches()
+    without[1] = tuple(t[[i for i in range(12) if i != 3]] for t in without[1])
+    plain = _scaled_run(None, without, mode=mode)
     plain.trainer.fit()
     for p, q in zip(plain.model.parameters(), scaled.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-def test_overflow_with_the_scale_at_its_floor_stops_the_run_in_one_line():
-    from workbench.errors import TrainingStopped
-    from workbench.trainer import LossScaler
-
-    scaled = _scaled_run(LossScaler(init_scale=2.0 ** 200, min_scale=2.0 ** 199))
-    with pytest.raises(TrainingStopped) as err:
-        scaled.trainer.fit()
-    assert str(err.value).startswith("training stopped at step 2: the noised update became non-finite (NaN/inf) "
-                                     "with the fp16 loss scale at its floor")
-    assert "\n" not in str(err.value)
-    assert scaled.step_fn.scaler.skipped_steps == 1 and scaled.accountant.steps == 2
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["bk", "hooks"])
-def test_fp16_on_cuda_skips_an_overflow_then_follows_the_float32_run(mode):
-    """fp16's range ends at 65504: a loss scale of 2**40 overflows the half-precision backward; one backoff of 2**-30
-    brings it to 2**10. The overflowed step is skipped and counted; the rest follows the float32 run started after it
-    (same noise), to half-precision rounding."""
-    from workbench.trainer import LossScaler
-
-    scaled = _scaled_run(LossScaler(init_scale=2.0 ** 40, backoff_factor=2.0 ** -30), device="cuda",
-                         autocast_dtype=torch.float16, mode=mode)
+def test_fp16_on_cuda_leaves_an_overflowing_example_out_and_follows_the_float32_run_without_it(mode):
+    """fp16's range ends at 65504: an outlier whose values pass it contributes 0 (not NaN); the rest of the run
+    follows the float32 run trained without that example (same noise), to half-precision rounding."""
+    batches = _batches()
+    batches[1][0][3] *= 1e6  # past 65504 in fp16
+    scaled = _scaled_run(None, batches, device="cuda", autocast_dtype=torch.float16, mode=mode)
     assert scaled.trainer.fit() == 4
-    assert scaled.step_fn.scaler.skipped_steps == 1 and scaled.step_fn.scale == 2.0 ** 10
-    assert scaled.accountant.steps == 4 and scaled.applied.steps == [2, 3, 4]
+    assert scaled.step_fn.scale == 2.0 ** 10 and scaled.applied.steps == [1, 2, 3, 4]
     assert scaled.step_fn.update.is_cuda and scaled.step_fn.update.dtype == torch.float32
-    plain = _scaled_run(None, start_step=1, device="cuda", mode=mode)
+    without = _batches()
+    without[1] = tuple(t[[i for i in range(12) if i != 3]] for t in without[1])
+    plain = _scaled_run(None, without, device="cuda", mode=mode)
     plain.trainer.fit()
     for p, q in zip(plain.model.parameters(), scaled.model.parameters()):
         assert q.is_cuda and q.dtype == torch.float32
@@ -570,7 +551,7 @@ def test_fp16_on_cuda_skips_an_overflow_then_follows_the_float32_run(mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fp16_job_trains_on_cuda_and_logs_its_loss_scale(make_cfg, mlflow_uri):
+def test_fp16_job_trains_on_cuda(make_cfg, mlflow_uri):
     from workbench import train
 
     result = train(make_cfg("experiment=quick", "fp16=true", "logging_steps=1"))
@@ -578,10 +559,8 @@ def test_fp16_job_trains_on_cuda_and_logs_its_loss_scale(make_cfg, mlflow_uri):
     assert result.epsilon is not None and 0 < result.epsilon <= 8 + 1e-9
     assert result.metrics["eval_accuracy"] > 0.8  # float32 reaches 1.0 on this data; chance is 0.1
     client = MlflowClient(tracking_uri=mlflow_uri)
-    scale = client.get_metric_history(result.run_id, "loss_scale")
-    skipped = client.get_metric_history(result.run_id, "skipped_steps")
-    assert len(scale) == len(skipped) == result.steps and all(m.value >= 1 for m in scale)
-    assert skipped[-1].value < result.steps  # some steps were applied
+    logged = client.get_run(result.run_id).data.metrics
+    assert "loss" in logged and not {"skipped_steps", "loss_scale"} & set(logged)  # nothing about dropped examples
 
 
 @pytest.mark.gpu

@@ -163,6 +163,9 @@ class WorkbenchConfig:
     # Mixed precision (autocast) for forward and backward; norms, clipping, the sum and the noise stay float32.
     bf16: bool = False  # CPU and CUDA
     fp16: bool = False  # CUDA only
+    # fp16's fixed loss scale S (not dynamic: README's mixed precision). An example whose fp16 backward overflows at
+    # this S contributes 0 to its step, silently (the count is private): lower S when gradients are large.
+    fp16_loss_scale: float = 1024.0
 
     # Distributed.
     ddp_backend: str = "auto"
@@ -223,6 +226,7 @@ RANGES = {
     "learning_rate": Range(0, low_open=True), "weight_decay": Range(0),
     "num_train_epochs": Range(0), "max_steps": Range(-1, STEPS_MAX), "warmup_steps": Range(0, STEPS_MAX),
     "logging_steps": Range(1), "eval_steps": Range(1), "save_steps": Range(1), "save_total_limit": Range(1),
+    "fp16_loss_scale": Range(0, 2**15, low_open=True),  # above it the gradient at the logits overflows fp16 (65504)
     "ddp_timeout": Range(1), "dataloader_num_workers": Range(0), "dataloader_prefetch_factor": Range(1),
     "privacy.target_epsilon": Range(0, low_open=True), "privacy.target_delta": Range(0, 1, low_open=True, high_open=True),
     "privacy.noise_multiplier": Range(0), "privacy.max_grad_norm": Range(0, low_open=True),

@@ -276,7 +276,8 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
     trained, trained_criterion = canaries.wrap(model, criterion, p.max_grad_norm) if canaries else (model, criterion)
     step_fn = GradientStep(trained, trained_criterion, d, max_grad_norm=p.max_grad_norm if p.enabled else None,
                            noise_multiplier=sigma, grad_sample_mode=p.grad_sample_mode,
-                           max_physical_batch_size=cfg.max_physical_batch_size, autocast_dtype=autocast_dtype)
+                           max_physical_batch_size=cfg.max_physical_batch_size, autocast_dtype=autocast_dtype,
+                           loss_scale=cfg.fp16_loss_scale if cfg.fp16 else None)
     # The same examples on every rank: a refusal is raised everywhere alike, before any run exists.
     step_fn.check(data.first_examples(train_set, CHECK_EXAMPLES, collator))
     optimizer = make_optimizer(step_fn.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)

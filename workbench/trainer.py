@@ -32,48 +32,12 @@ from workbench.privacy import EpsilonSchedule
 log = logging.getLogger(__name__)
 # Opacus' hooks trigger this on every backward of a model whose inputs need no grad: expected, not actionable.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
-# An fp16 step skipped by the loss scaler leaves the optimizer unstepped; the schedule still follows logical steps.
-warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
 
 
 CHECK_EXAMPLES = 8  # examples the pre-run check compares against autograd's per-example gradients
 
 
-class LossScaler:
-    """fp16's dynamic loss scale S (torch's GradScaler policy), kept inside the privacy contract.
-
-    The loss is multiplied by S so that small gradients survive the fp16 backward; clipping is to C*S and the noise has
-    std sigma*C*S; the released sum is divided by S (with B). Every per-example clip factor is unchanged and the update
-    is DP-SGD's own, in exact arithmetic. Whether to skip a step and shrink S is decided from the released (noised,
-    all-reduced) update alone: post-processing, identical on every rank. A skipped step still ran the mechanism, so the
-    accountant counts it. S grows after ``growth_interval`` applied steps in a row; at ``min_scale`` a non-finite update
-    is not an overflow of the scale, and the trainer stops on it as on any other.
-
-    S starts at 2**10, not GradScaler's 2**16: each example's loss is summed, not averaged over the batch, so the
-    gradient at the logits reaches S itself, and 2**16 is fp16's largest value (65504); a skipped step costs privacy.
-    """
-
-    def __init__(self, init_scale: float = 2.0 ** 10, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, min_scale: float = 1.0):
-        if not (growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1 and 0 < min_scale <= init_scale):
-            raise WorkbenchError("loss scaler: need growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1 "
-                                 "and 0 < min_scale <= init_scale")
-        self.scale, self.min_scale = float(init_scale), float(min_scale)
-        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
-        self.good_steps = self.skipped_steps = 0
-
-    def update(self, released_finite: bool) -> bool:
-        """After a step's release: True when the step is to be skipped (S shrinks), False when it is applied."""
-        if released_finite:
-            self.good_steps += 1
-            if self.good_steps == self.growth_interval:
-                self.scale, self.good_steps = self.scale * self.growth_factor, 0
-            return False
-        if self.scale <= self.min_scale:
-            return False  # not the scale's fault: applied, and the trainer's non-finite stop ends the run
-        self.scale, self.good_steps = max(self.min_scale, self.scale * self.backoff_factor), 0
-        self.skipped_steps += 1
-        return True
+FP16_LOSS_SCALE = 2.0 ** 10  # fp16_loss_scale's default (workbench/config.py)
 
 
 class GradientStep:
@@ -85,11 +49,13 @@ class GradientStep:
 
     def __init__(self, model: nn.Module, criterion: nn.Module, dist: Dist, *, max_grad_norm: float | None,
                  noise_multiplier: float, grad_sample_mode: str = "hooks", max_physical_batch_size: int = 512,
-                 noise_seed: int = 0, autocast_dtype: torch.dtype | None = None,
-                 loss_scaler: LossScaler | None = None):
+                 noise_seed: int = 0, autocast_dtype: torch.dtype | None = None, loss_scale: float | None = None):
         self.dist, self.criterion, self.autocast_dtype = dist, criterion, autocast_dtype
-        # fp16's narrow range needs loss scaling (bf16 has float32's exponent range and needs none)
-        self.scaler = loss_scaler if loss_scaler is not None else LossScaler() if autocast_dtype == torch.float16 else None
+        # fp16's narrow range needs the loss scaled (bf16 has float32's exponent range and needs none); see _losses
+        self.scale = float(loss_scale if loss_scale is not None else
+                           FP16_LOSS_SCALE if autocast_dtype == torch.float16 else 1.0)
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise WorkbenchError(f"the loss scale must be a finite number > 0, got {loss_scale}")
         self.clip, self.sigma, self.mode = max_grad_norm, noise_multiplier, grad_sample_mode
         self.max_physical_batch_size, self.noise_seed = max_physical_batch_size, noise_seed
         self.private = max_grad_norm is not None
@@ -144,15 +110,16 @@ class GradientStep:
 
     def _losses(self, module: nn.Module, batch: Batch) -> torch.Tensor:
         """As _precise_losses, under autocast with bf16/fp16 (norms and clipping stay float32: clipping/), times the
-        loss scale S with fp16 (the clipping strategies then clip to C*S: see LossScaler)."""
+        loss scale S (fp16: ``fp16_loss_scale``; 1 otherwise), so that small gradients survive the fp16 backward.
+
+        Inside the contract: clipping to C*S and noise of std sigma*C*S, divided by S, give DP-SGD's own update (every
+        clip factor is unchanged). S is fixed, not dynamic as torch's GradScaler: an example whose backward overflows
+        contributes 0 (clipping/base.py), so the released update stays finite and no overflow is ever seen to adapt
+        to, nor may it be (whether one occurred depends on one example's data). Per-example losses are summed, not
+        averaged over the batch: the gradient at the logits reaches S itself, hence 2**10 and not GradScaler's 2**16."""
         with torch.autocast(self.flat.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             losses = self._precise_losses(module, batch)
-        return losses if self.scaler is None else losses * self.scaler.scale
-
-    @property
-    def scale(self) -> float:
-        """The step's loss scale S (1 without fp16's loss scaling)."""
-        return 1.0 if self.scaler is None else self.scaler.scale
+        return losses if self.scale == 1.0 else losses * self.scale
 
     def _to_device(self, batch: Any) -> Batch:
         return as_batch(batch).to(self.flat.device, non_blocking=True)
@@ -180,7 +147,7 @@ class GradientStep:
         if self.private and self.sigma > 0 and self.dist.rank == 0:
             g = step_generator(self.noise_seed, 0, step, stream=1, device=self.flat.device)
             noise = torch.randn(self.numel, generator=g, device=self.flat.device)
-            # std sigma*C*S; mul_, not add_'s alpha, which refuses a factor past float32's range (an overflow to skip)
+            # std sigma*C*S; mul_, not add_'s alpha, which refuses a factor past float32's range
             self.flat[:self.numel].add_(noise.mul_(self.sigma * self.clip * scale))
         self.dist.all_reduce_(self.flat)
         for p, view in zip(self.params, self.grad_views):
@@ -325,20 +292,6 @@ class Trainer:
         self.expected_batch, self.total_steps, self.start_step, self.save_fn = expected_batch, total_steps, start_step, save_fn
         self.history = History()
 
-    def _apply(self, step: int) -> bool:
-        """The optimizer step on the released update, unless fp16's loss scaler skips it (an overflow: the update is
-        non-finite and S shrinks). The decision reads the released update alone. A skip is never silent: a warning
-        line, and ``skipped_steps`` / ``loss_scale`` in the step metrics. Callbacks see applied steps only."""
-        scaler = getattr(self.step_fn, "scaler", None)
-        if scaler is not None and scaler.update(bool(torch.isfinite(self.step_fn.update).all())):
-            if self.dist.should_log:
-                log.warning("fp16: step %d's update overflowed; skipped (the step still counts towards epsilon), "
-                            "loss scale lowered to %g", step, scaler.scale)
-            return False
-        self.optimizer.step()
-        self.callbacks.on_step_end(step)  # p.grad is still the released update here
-        return True
-
     def _stop_if_not_finite(self, step: int) -> None:
         """Stop on NaN/inf in what the step released: the noised update and the new parameters. Reading them is
         post-processing (no privacy cost); the training loss, a function of the raw batch, is never consulted.
@@ -348,14 +301,8 @@ class Trainer:
         if bool(torch.stack(finite).all()):
             return
         what = "the noised update" if not bool(finite[0]) else "the parameters"
-        scaler = getattr(self.step_fn, "scaler", None)  # an applied non-finite update: the scale was at its floor
-        floor = f" with the fp16 loss scale at its floor {scaler.scale:g}" if scaler and not bool(finite[0]) else ""
-        raise TrainingStopped(f"training stopped at step {step}: {what} became non-finite (NaN/inf){floor}; try a "
+        raise TrainingStopped(f"training stopped at step {step}: {what} became non-finite (NaN/inf); try a "
                               "lower learning_rate, and check the data for NaN/inf; checkpoints of earlier steps are kept")
-
-    def _scaler_metrics(self) -> dict[str, float]:
-        scaler = getattr(self.step_fn, "scaler", None)
-        return {} if scaler is None else {"loss_scale": scaler.scale, "skipped_steps": float(scaler.skipped_steps)}
 
     def fit(self) -> int:
         """Train from start_step to total_steps; returns the number of steps taken in all."""
@@ -375,14 +322,14 @@ class Trainer:
             for batch in self.loader:
                 loss_sum, count = self.step_fn(batch, step)
                 self.step_fn.divide_(self.expected_batch)
-                applied = self._apply(step + 1)
+                self.optimizer.step()
+                self.callbacks.on_step_end(step + 1)  # p.grad is still the released update here
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scheduler.step()
-                if self.accountant is not None:  # a skipped step ran the mechanism too: it is spent
+                if self.accountant is not None:
                     self.accountant.step()
                 step += 1
-                if applied:
-                    self._stop_if_not_finite(step)
+                self._stop_if_not_finite(step)
                 window_loss, window_count = window_loss + loss_sum, window_count + count
                 bar.update(1)
                 if step % cfg.logging_steps == 0 or step == self.total_steps:  # as logging_steps() lists them
@@ -390,7 +337,7 @@ class Trainer:
                     loss = window_loss / max(window_count, 1.0)
                     logger.log(step, {"loss": loss, "learning_rate": self.scheduler.get_last_lr()[0],
                                       "samples_per_second": window_count / max(elapsed, 1e-9),
-                                      "epoch": step * self.expected_batch / self.population, **self._scaler_metrics()})
+                                      "epoch": step * self.expected_batch / self.population})
                     known = schedule.latest(step) if schedule is not None else None  # never waits
                     bar.set_postfix(loss=f"{loss:.4f}", **({"eps": f"{known[1]:.3f}" + ("" if known[0] == step else
                                                                                         f"@{known[0]}")} if known else {}))

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from workbench.clipping.base import LossFn, Strategy, check_tolerance, clip_factors, require_own
+from workbench.clipping.base import LossFn, Strategy, check_tolerance, clip_factors, dropped, require_own, zero_rows
 from workbench.clipping.layers import rule_for, squares, weighted_sum
 from workbench.errors import WorkbenchError
 
@@ -199,12 +199,16 @@ class BookKeeping(Strategy):
             elif calls:
                 state = rule.prepare(m, calls, n)
                 norms2.add_(rule.norms2(m, state, n))
-                kept.append((rule, m, state))
+                kept.append((rule, m, calls, state))
         factor = clip_factors(norms2.sqrt_(), self.clip)
+        rows = dropped(factor)  # examples with a non-finite norm: their rows zeroed, as 0 * inf is NaN in the sums
         for m, (per_sample, _) in arrived.items():
             for name, t in (per_sample or {}).items():
+                t = t if rows is None else zero_rows(t, rows)
                 view = view_of[id(getattr(m, name))]
                 view.add_(weighted_sum(t, factor.to(t.dtype)))  # in float32 at least, cast when added
-        for rule, m, state in kept:
+        for rule, m, calls, state in kept:
+            if rows is not None:  # both a and g: either may hold the inf
+                state = rule.prepare(m, [(zero_rows(a, rows), zero_rows(g, rows)) for a, g in calls], n)
             rule.add_clipped(m, state, factor, view_of)
         return losses.detach()

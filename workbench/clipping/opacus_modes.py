@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workbench.clipping.base import LossFn, Strategy, add_grads, check_tolerance, clip_factors, require_own
+from workbench.clipping.base import (LossFn, Strategy, add_grads, check_tolerance, clip_factors, dropped, require_own,
+                                     zero_rows)
 from workbench.errors import WorkbenchError
 
 
@@ -111,7 +112,9 @@ class PerSampleGradients(_Checked):
             norms = torch.linalg.vector_norm(
                 torch.stack([torch.linalg.vector_norm(gs, dim=1) for _, gs in flat_samples], dim=1), dim=1)
         factor = clip_factors(norms, self.clip)
+        rows = dropped(factor)  # examples with a non-finite norm: their rows zeroed, as 0 * inf is NaN in the sum
         for view, gs in flat_samples:
+            gs = gs if rows is None else zero_rows(gs, rows)
             view.view(-1).addmv_(gs.t(), factor.to(gs.dtype))
         for p in self.params:
             p.grad_sample = None
@@ -141,6 +144,20 @@ class Ghost(_Checked):
                 p._norm_sample = None
             p.grad = None
         factor = clip_factors(norms.sqrt_(), self.clip)
+        rows = dropped(factor)
+        if rows is not None:
+            # The second backward sums the examples inside autograd, where one whose norm is not finite gives
+            # 0 * inf = NaN whatever its factor: the runs of the other examples go through ghost again on their own
+            # (``batch`` is the trainer's Batch), each example's contribution still a function of it alone.
+            keep = (~rows).tolist()
+            start = None
+            for i, kept in enumerate([*keep, False]):
+                if kept and start is None:
+                    start = i
+                elif not kept and start is not None:
+                    self.accumulate(batch.slice(start, i), loss_fn, view_of)
+                    start = None
+            return losses.detach()
         self.module.disable_hooks()
         try:
             (factor.detach() * losses).sum().backward()
