@@ -68,7 +68,7 @@ MUTANTS = (
            "view.view(-1).addmv_(gs.t(), (self.clip / (torch.linalg.vector_norm(gs, dim=1) + 1e-6)).clamp(max=1.0))",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear-hooks]",)),
     Mutant("bk-norm-without-bias", "book-keeping leaves the bias out of each example's norm: under-clipped examples",
-           "workbench/clipping/layers.py", 'return out.add_(gg) if "bias" in names else out', "return out",
+           "workbench/clipping/layers.py", '(aa.add_(1.0) if "bias" in names else aa)', "aa",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear-bk]",)),
     Mutant("bk-check-skips-one-example", "book-keeping's pre-run check compares nothing on one example: a weight "
            "used outside its layer trains with micro-batches of one",
@@ -80,7 +80,7 @@ MUTANTS = (
            ("tests/test_clipping.py::test_an_example_with_a_non_finite_gradient_contributes_zero_and_the_others_are_"
             "unchanged[hooks-nan]",)),
     Mutant("non-finite-rows-summed", "a zeroed example's inf rows still enter the clipped sum: 0 * inf = NaN",
-           "workbench/clipping/base.py", "return zero if bool(zero.any()) else None", "return None",
+           "workbench/clipping/base.py", "return None if bool(factor.all()) else factor == 0", "return None",
            ("tests/test_clipping.py::test_an_example_with_a_non_finite_gradient_contributes_zero_and_the_others_are_"
             "unchanged[bk-nan]",
             "tests/test_clipping.py::test_an_example_with_a_non_finite_gradient_contributes_zero_and_the_others_are_"

@@ -85,6 +85,8 @@ class GradientStep:
         self.view_of = {id(p): view for p, view in zip(self.params, self.grad_views)}
         self.numel = numel
         self.loss_sum, self.count = self.flat[-2], self.flat[-1]  # 0-d views: cheaper to add to than flat[-2]
+        self._update, self._totals = self.flat[:numel], self.flat[numel:]  # views made once, not per step
+        self._noise = torch.empty(numel if self.private else 0, device=device)  # reused: no allocation per step
 
     def check(self, batch: Any) -> None:
         """Before any training, on a real batch: the criterion gives one loss per example, and the strategy's
@@ -117,14 +119,21 @@ class GradientStep:
         contributes 0 (clipping/base.py), so the released update stays finite and no overflow is ever seen to adapt
         to, nor may it be (whether one occurred depends on one example's data). Per-example losses are summed, not
         averaged over the batch: the gradient at the logits reaches S itself, hence 2**10 and not GradScaler's 2**16."""
-        with torch.autocast(self.flat.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+        if self.autocast_dtype is None:  # entering a disabled autocast still costs more than the MLP's loss
             losses = self._precise_losses(module, batch)
+        else:
+            with torch.autocast(self.flat.device.type, dtype=self.autocast_dtype):
+                losses = self._precise_losses(module, batch)
         return losses if self.scale == 1.0 else losses * self.scale
 
     def _to_device(self, batch: Any) -> Batch:
         return as_batch(batch).to(self.flat.device, non_blocking=True)
 
     def _micro_batches(self, batch: Batch):
+        if len(batch) <= self.max_physical_batch_size:  # at most one micro-batch: the batch itself, no slicing
+            if len(batch):  # an empty draw has none (the step still adds noise and joins the all-reduce)
+                yield batch
+            return
         for start in range(0, len(batch), self.max_physical_batch_size):
             yield batch.slice(start, start + self.max_physical_batch_size)
 
@@ -142,27 +151,28 @@ class GradientStep:
                     # on a few examples, as run.py does: the check is one autograd call per example
                     self.clipper.check(micro_batch.slice(0, CHECK_EXAMPLES), self._precise_losses)
                 losses = self.clipper.accumulate(micro_batch, self._losses, self.view_of)
-                self.loss_sum.add_(losses.sum() / scale)
+                self.loss_sum.add_(losses.sum() if scale == 1.0 else losses.sum() / scale)
                 self.count.add_(len(losses))
         if self.private and self.sigma > 0 and self.dist.rank == 0:
             g = step_generator(self.noise_seed, 0, step, stream=1, device=self.flat.device)
-            noise = torch.randn(self.numel, generator=g, device=self.flat.device)
+            noise = torch.randn(self.numel, generator=g, device=self.flat.device, out=self._noise)
             # std sigma*C*S; mul_, not add_'s alpha, which refuses a factor past float32's range
-            self.flat[:self.numel].add_(noise.mul_(self.sigma * self.clip * scale))
+            self._update.add_(noise.mul_(self.sigma * self.clip * scale))
         self.dist.all_reduce_(self.flat)
         for p, view in zip(self.params, self.grad_views):
             p.grad = view  # a view into the reduced buffer: no copy; the next step re-zeroes the buffer
-        return float(self.loss_sum), float(self.count)
+        loss_sum, count = self._totals.tolist()  # one host read for both
+        return loss_sum, count
 
     def divide_(self, expected_batch: float) -> None:
         """Step 4's division of every gradient by the expected batch B (and the loss scale S), in one operation on the
         reduced buffer."""
-        self.flat[:self.numel].div_(expected_batch * self.scale)
+        self._update.div_(expected_batch * self.scale)
 
     @property
     def update(self) -> torch.Tensor:
         """The step's released update (noised, all-reduced), as a flat view."""
-        return self.flat[:self.numel]
+        return self._update
 
 
 def logging_steps(start_step: int, total_steps: int, every: int) -> list[int]:

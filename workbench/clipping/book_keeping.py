@@ -186,7 +186,7 @@ class BookKeeping(Strategy):
         losses, arrived = self._backward(batch, loss_fn, retain=False, collect=False)
         n = len(losses)
         dtype = torch.promote_types(next(iter(view_of.values())).dtype, torch.float32)
-        norms2 = torch.zeros(n, device=losses.device, dtype=dtype)
+        parts = []  # (n,) squared norms per layer and parameter, summed once
         kept = []
         for m, (per_sample, calls) in arrived.items():
             rule = self.rules[m]
@@ -194,12 +194,14 @@ class BookKeeping(Strategy):
                 for a, g in calls:  # a layer whose calls took both routes: all per-sample
                     for name, t in rule.per_sample(m, a, g).items():
                         per_sample[name].add_(t)
-                for t in per_sample.values():
-                    norms2.add_(squares(t))
+                parts += [squares(t) for t in per_sample.values()]
             elif calls:
                 state = rule.prepare(m, calls, n)
-                norms2.add_(rule.norms2(m, state, n))
+                parts.append(rule.norms2(m, state, n))
                 kept.append((rule, m, calls, state))
+        norms2 = torch.zeros(n, device=losses.device, dtype=dtype) if not parts else parts[0].to(dtype)  # a fresh tensor
+        for t in parts[1:]:
+            norms2.add_(t)
         factor = clip_factors(norms2.sqrt_(), self.clip)
         rows = dropped(factor)  # examples with a non-finite norm: their rows zeroed, as 0 * inf is NaN in the sums
         for m, (per_sample, _) in arrived.items():

@@ -131,10 +131,12 @@ class LinearRule:
         a, g = state
         names = trainable(m)
         dtype = _norm_dtype(g)
-        if a.dim() == 2:
+        if a.dim() == 2:  # (||a_i||^2 + 1) ||g_i||^2 with a bias
             gg = torch.linalg.vecdot(g, g)
-            out = torch.linalg.vecdot(a, a).mul_(gg) if "weight" in names else torch.zeros_like(gg)
-            return out.add_(gg) if "bias" in names else out
+            if "weight" not in names:
+                return gg
+            aa = torch.linalg.vecdot(a, a)
+            return (aa.add_(1.0) if "bias" in names else aa).mul_(gg)
         out = torch.zeros(n, device=g.device, dtype=dtype)
         if "weight" in names:
             out.add_(squares(self._weights(a, g)))
@@ -146,12 +148,28 @@ class LinearRule:
         a, g = state
         names = trainable(m)
         dtype = view_of[id(getattr(m, names[0]))].dtype
+        if a.dim() == 2 and a.dtype == g.dtype == dtype:  # one row per example, in the buffer's precision
+            self._add_clipped_rows(m, names, a, g, factor, view_of)
+            return
         # out of place: autograd may hand the same gradient tensor to two layers (z = a(x) + b(x))
         scaled = (g * factor.view(-1, *[1] * (g.dim() - 1))).to(dtype).reshape(-1, g.shape[-1])
         if "weight" in names:
             view_of[id(m.weight)].addmm_(scaled.t(), a.reshape(-1, a.shape[-1]).to(dtype))
         if "bias" in names:
             view_of[id(m.bias)].add_(scaled.sum(0))
+
+    @staticmethod
+    def _add_clipped_rows(m, names, a, g, factor, view_of):
+        """sum_i f_i g_i a_i^T with the factors on the narrower of a and g (fewer products), sum_i f_i g_i one
+        matrix-vector product; a and g are left as they are (autograd may hand one g to two layers)."""
+        f = factor.unsqueeze(1)
+        if "weight" in names:
+            if a.shape[1] < g.shape[1]:
+                view_of[id(m.weight)].addmm_(g.t(), a * f)
+            else:
+                view_of[id(m.weight)].addmm_((g * f).t(), a)
+        if "bias" in names:
+            view_of[id(m.bias)].addmv_(g.t(), factor)
 
     def sample(self, m, calls, k, absolute=False):
         a, g = (torch.cat([t[k].reshape(-1, t.shape[-1]) for t in ts], 0) for ts in zip(*calls))
