@@ -166,13 +166,13 @@ def test_runs_started_at_once_keep_their_own_folders(tmp_path):
     assert len(saved) == len({p.parent for p in saved}) == 8
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root (CI runs as root to install SLURM: "
+                                                 "it runs there)")
 def test_full_disk_is_one_line_and_keeps_the_last_good_checkpoint(tmp_path):
     import subprocess
 
     disk = tmp_path / "disk"
     disk.mkdir()
-    if os.geteuid() != 0:  # CI runs as root (it installs SLURM), so there this test always runs
-        pytest.skip("mounting a small tmpfs needs root")
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], check=True, capture_output=True)
     try:
         good = checkpoint.save({"model": {"w": torch.zeros(1000)}, "step": 1}, disk, 1, None)
