@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: install run test test-fast mutants bench bench-quick clean
+.PHONY: install run test test-fast fuzz mutants bench bench-quick clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+# The floating-point bound attacked with many more random cases than `make test` draws (tests/test_fp_bound.py).
+fuzz: install
+	WORKBENCH_FUZZ_EXAMPLES=$${WORKBENCH_FUZZ_EXAMPLES:-3000} $(PY) -m pytest -q tests/test_fp_bound.py
 
 # Deliberate privacy bugs, each of which a named test must catch (tests/mutants.py); fails if one survives.
 mutants: install

@@ -80,7 +80,7 @@ def _malloc_child(setting: str, s: Settings) -> dict:
     applied = set_malloc_keep() if setting == "on" else False
     set_threads()
     replays, steps = {}, {}
-    for model_name, modes in (("mlp", (None, "hooks", "ew", "ghost")), ("cnn", (None, "hooks", "ew"))):
+    for model_name, modes in (("mlp", (None, "hooks", "ew", "bk")), ("cnn", (None, "hooks", "ew"))):
         batches = preset(model_name).poisson_batches(64)
         for mode in modes:
             key = f"{model_name}/{mode or 'non_private'}"

@@ -326,7 +326,7 @@ class _BroadcastPositions(nn.Module):
         return self.head((self.tok(ids) + self.pos(torch.arange(ids.shape[1]))).mean(1))
 
 
-@pytest.mark.parametrize("mode", ["bk", "hooks", "functorch", "ew", "ghost", "auto"])
+@pytest.mark.parametrize("mode", ["bk", "hooks", "functorch", "ew", "auto"])
 def test_every_mode_checks_each_example_against_autograd_before_training(mode):
     d = setup("gloo")
     x, y = torch.randn(9, 6), torch.randint(0, 3, (9,))
@@ -343,7 +343,7 @@ def test_every_mode_checks_each_example_against_autograd_before_training(mode):
             step(_BroadcastPositions()).check((_ids(), y))
 
 
-@pytest.mark.parametrize("mode", ["bk", "hooks", "functorch", "ew", "ghost"])
+@pytest.mark.parametrize("mode", ["bk", "hooks", "functorch", "ew"])
 def test_a_weight_used_outside_its_layer_is_refused_one_example_at_a_time(mode):
     """One example cannot show mixing but does show a weight used outside its layer: a one-example pre-run check,
     and micro-batches of one with no check before training, refuse it (bk once skipped its check below two examples
@@ -566,7 +566,7 @@ class _EveryLayer(_EveryRoute):
 
 
 @pytest.mark.parametrize("kind", ["nan", "overflow"])
-@pytest.mark.parametrize("mode", ["bk", "hooks", "functorch", "ew", "ghost"])
+@pytest.mark.parametrize("mode", ["bk", "hooks", "functorch", "ew"])
 def test_an_example_with_a_non_finite_gradient_contributes_zero_and_the_others_are_unchanged(mode, kind):
     """An example whose gradient is not finite (NaN in its data; an overflow of its scaled backward) contributes 0,
     not NaN: the release stays finite whatever one example holds (no step skipped, nothing for anyone to see), and

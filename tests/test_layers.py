@@ -98,7 +98,7 @@ def _per_example_clipped_sum(model, x, y, clip):
 
 def _params():
     for case in CASES:
-        for mode in GRAD_SAMPLE_MODES:  # ghost refuses a reused Linear/Embedding in the pre-run check, in one line
+        for mode in GRAD_SAMPLE_MODES:
             yield pytest.param(case, mode, id=f"{case}-{mode}")
 
 

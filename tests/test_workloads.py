@@ -57,7 +57,7 @@ def _assert_grads(step, expected):
         torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["bk", "hooks", "functorch", "ghost", "ew"])
+@pytest.mark.parametrize("mode", ["bk", "hooks", "functorch", "ew"])
 @pytest.mark.parametrize("shape", ["positional", "mapping"])
 def test_multi_input_and_mapping_batches_match_the_per_example_loop(mode, shape):
     a, b, y = _data()
@@ -182,7 +182,7 @@ def test_a_parameter_without_per_example_gradients_is_refused():
         def forward(self, x):
             return self.head((x.unsqueeze(-1) + self.pos(torch.arange(x.shape[1])[None])).mean(1))
 
-    for mode in ("hooks", "ghost"):
+    for mode in ("hooks",):
         step = GradientStep(SharedPositions(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=1.0,
                             noise_multiplier=0.0, grad_sample_mode=mode)
         with pytest.raises(WorkbenchError, match="'pos.weight' has no per-example gradient"):
@@ -271,7 +271,7 @@ def test_bf16_clipped_contributions_never_exceed_the_bound(mode):
     assert float(torch.cat([p.grad.flatten() for p in step.params]).norm()) <= len(y) * clip * (1 + 1e-5)
     with pytest.raises(WorkbenchError, match="cannot run in mixed precision"):
         GradientStep(nn.Linear(6, 3), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=clip,
-                     noise_multiplier=0.0, grad_sample_mode="ghost", autocast_dtype=torch.bfloat16)
+                     noise_multiplier=0.0, grad_sample_mode="ew", autocast_dtype=torch.bfloat16)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here, so fp16 is allowed (CI has no GPU: it runs)")

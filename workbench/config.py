@@ -27,7 +27,7 @@ from workbench.errors import WorkbenchError
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
-GRAD_SAMPLE_MODES = ("auto", "bk", "hooks", "functorch", "ew", "ghost")
+GRAD_SAMPLE_MODES = ("auto", "bk", "hooks", "functorch", "ew")  # Opacus' ghost: refused (clipping/opacus_modes.py)
 SHARD_MODES = ("per_rank", "global")
 
 # Accelerate knobs that change how batches are formed. Poisson sampling decides every batch itself, so each would
@@ -320,7 +320,11 @@ def validate(cfg: DictConfig) -> None:
     if cfg.dataloader_num_workers == 0 and (cfg.dataloader_prefetch_factor is not None or cfg.dataloader_persistent_workers):
         raise WorkbenchError("dataloader_prefetch_factor and dataloader_persistent_workers need dataloader_num_workers > 0")
     p = cfg.privacy
-    if p.grad_sample_mode not in GRAD_SAMPLE_MODES:
+    if p.grad_sample_mode == "ghost" and p.enabled:  # why: workbench/clipping/opacus_modes.py
+        raise WorkbenchError("privacy.grad_sample_mode=ghost is refused: Opacus' ghost clipping cannot bound each "
+                             "example's contribution in floating point; use bk (one backward, no per-sample "
+                             "gradients) or auto")
+    if p.grad_sample_mode not in GRAD_SAMPLE_MODES + ("ghost",):
         raise WorkbenchError(f"privacy.grad_sample_mode={p.grad_sample_mode!r} is unknown; choose one of {', '.join(GRAD_SAMPLE_MODES)}")
     if p.enabled and p.noise_multiplier is None and p.target_epsilon is None:
         raise WorkbenchError("privacy needs privacy.noise_multiplier or privacy.target_epsilon (or privacy.enabled=false)")

@@ -69,7 +69,7 @@ class GradientStep:
             self.mode = clipping.fastest_grad_sample_mode(model)
         self.clipper = clipping.make(model, self.params, max_grad_norm=max_grad_norm, mode=self.mode)
         self.module = self.clipper.module
-        if self.private and autocast_dtype is not None and self.mode in ("ghost", "ew"):
+        if self.private and autocast_dtype is not None and self.mode == "ew":
             raise WorkbenchError(f"grad_sample_mode={self.mode} cannot run in mixed precision: its clipped sum is not "
                                  "computed from the per-sample gradients its norms were; use bk or hooks")
         numel = sum(p.numel() for p in self.params)

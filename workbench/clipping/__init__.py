@@ -1,7 +1,8 @@
 """Per-sample clipping: one strategy per ``grad_sample_mode``, one module each.
 
 - ``book_keeping`` (``bk``): one backward, closed-form per-sample norms, the clipped sum as one matmul per layer;
-- ``opacus_modes``: Opacus' ``hooks``, ``functorch``, ``ew`` (materialised per-sample gradients) and ``ghost``;
+- ``opacus_modes``: Opacus' ``hooks``, ``functorch``, ``ew`` (materialised per-sample gradients; ``ghost`` refused);
+- ``bound``: the floating-point bound every private route honours (each example's contribution <= C (1 + RHO));
 - ``nonprivate``: the non-private twin (plain summed gradients through the same buffer).
 
 :func:`make` returns a strategy (interface in :mod:`workbench.clipping.base`); ``auto`` picks the fastest that fits.
@@ -13,6 +14,7 @@ from torch import nn
 
 from workbench.clipping import book_keeping
 from workbench.clipping.base import LossFn
+from workbench.errors import WorkbenchError
 
 __all__ = ["LossFn", "fastest_grad_sample_mode", "make"]
 
@@ -45,5 +47,5 @@ def make(model: nn.Module, params: list[nn.Parameter], *, max_grad_norm: float |
     from workbench.clipping import opacus_modes
 
     if mode == "ghost":
-        return opacus_modes.Ghost(model, params, max_grad_norm)
+        raise WorkbenchError(opacus_modes.GHOST_REFUSAL)
     return opacus_modes.PerSampleGradients(model, params, max_grad_norm, mode)

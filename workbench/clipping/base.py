@@ -47,7 +47,8 @@ def require_own(k: int, name: str, mode: str, got: torch.Tensor, ref: torch.Tens
     of example k's loss alone, up to rounding. Rounding grows with the terms summed (``magnitude``: the same sum over
     |terms|), not with their possibly cancelling sum; in half precision small entries underflow, hence the floor at
     the parameter's largest term. ``floor``: rounding noise allowed everywhere (for a check that cannot see the terms).
-    A gradient that is not finite is not compared: training zeroes that example's contribution (:func:`clip_factors`)."""
+    A gradient that is not finite is not compared: training zeroes that example's contribution
+    (:func:`workbench.clipping.bound.clip_factors`)."""
     if not bool(torch.isfinite(ref).all()):
         return
     bound = tolerance * (ref.abs() + magnitude + float(magnitude.max()) * tolerance) + floor + 1e-12
@@ -60,28 +61,6 @@ def require_own(k: int, name: str, mode: str, got: torch.Tensor, ref: torch.Tens
 
 def check_tolerance(dtype: torch.dtype) -> float:
     return max(1e-4, 16 * torch.finfo(dtype).eps)
-
-
-def clip_factors(norms: torch.Tensor, clip: float) -> torch.Tensor:
-    """min(1, C / ||g_i||) per example (in place on ``norms``), and exactly 0 where the norm is not finite (NaN/inf:
-    an overflow of the example's fp16 forward/backward, NaN in its data). Such an example then contributes 0, not NaN,
-    still a function of that example alone with norm <= C, so it cannot turn the release non-finite (an event seen
-    without noise). 0 * inf is NaN: callers also zero its rows (:func:`dropped`, :func:`zero_rows`)."""
-    return norms.add_(1e-6).reciprocal_().mul_(clip).clamp_(max=1.0).nan_to_num_(nan=0.0)  # 1 / inf is 0 already
-
-
-def dropped(factor: torch.Tensor) -> torch.Tensor | None:
-    """The (n,) mask of examples whose clip factor is 0 (a non-finite norm), or None when there is none: the usual
-    case costs one host read of the micro-batch's factors and no masking. Their count is private: never log it."""
-    return None if bool(factor.all()) else factor == 0  # all(): one op and one read in the usual case
-
-
-def zero_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``t`` (batch first) with the masked examples' rows set to 0, out of place (``t`` may be a layer's input that
-    the caller still holds); integer tensors (token ids) as they are."""
-    if not t.is_floating_point():
-        return t
-    return t.masked_fill(rows.view(-1, *[1] * (t.dim() - 1)), 0)
 
 
 def add_grads(params: list[nn.Parameter], view_of: dict[int, torch.Tensor]) -> None:

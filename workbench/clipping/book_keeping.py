@@ -20,8 +20,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from workbench.clipping.base import LossFn, Strategy, check_tolerance, clip_factors, dropped, require_own, zero_rows
-from workbench.clipping.layers import rule_for, squares, weighted_sum
+from workbench.clipping.base import LossFn, Strategy, check_tolerance, require_own
+from workbench.clipping.bound import add_exact, clip_factors, exact_float32, materialised, zero_rows
+from workbench.clipping.layers import rule_for, weighted_sum
 from workbench.errors import WorkbenchError
 
 
@@ -182,35 +183,53 @@ class BookKeeping(Strategy):
     def accumulate(self, batch, loss_fn: LossFn, view_of: dict[int, torch.Tensor]) -> torch.Tensor:
         """Add the micro-batch's clipped gradient sum into ``view_of`` (parameter id -> gradient buffer view). Not
         checked here: GradientStep checks before training, or the micro-batch first while ``checked`` is False, in the
-        parameters' precision (``loss_fn`` here may autocast, which the check's comparison with autograd cannot)."""
+        parameters' precision (``loss_fn`` here may autocast, which the check's comparison with autograd cannot).
+        Each example's contribution as added is at most C (1 + RHO): :mod:`workbench.clipping.bound`."""
         losses, arrived = self._backward(batch, loss_fn, retain=False, collect=False)
         n = len(losses)
-        dtype = torch.promote_types(next(iter(view_of.values())).dtype, torch.float32)
-        parts = []  # (n,) squared norms per layer and parameter, summed once
-        kept = []
-        for m, (per_sample, calls) in arrived.items():
-            rule = self.rules[m]
-            if per_sample is not None:
-                for a, g in calls:  # a layer whose calls took both routes: all per-sample
-                    for name, t in rule.per_sample(m, a, g).items():
-                        per_sample[name].add_(t)
-                parts += [squares(t) for t in per_sample.values()]
-            elif calls:
-                state = rule.prepare(m, calls, n)
-                parts.append(rule.norms2(m, state, n))
-                kept.append((rule, m, calls, state))
-        norms2 = torch.zeros(n, device=losses.device, dtype=dtype) if not parts else parts[0].to(dtype)  # a fresh tensor
-        for t in parts[1:]:
-            norms2.add_(t)
-        factor = clip_factors(norms2.sqrt_(), self.clip)
-        rows = dropped(factor)  # examples with a non-finite norm: their rows zeroed, as 0 * inf is NaN in the sums
-        for m, (per_sample, _) in arrived.items():
-            for name, t in (per_sample or {}).items():
-                t = t if rows is None else zero_rows(t, rows)
-                view = view_of[id(getattr(m, name))]
-                view.add_(weighted_sum(t, factor.to(t.dtype)))  # in float32 at least, cast when added
-        for rule, m, calls, state in kept:
-            if rows is not None:  # both a and g: either may hold the inf
-                state = rule.prepare(m, [(zero_rows(a, rows), zero_rows(g, rows)) for a, g in calls], n)
-            rule.add_clipped(m, state, factor, view_of)
+        with exact_float32(losses.device):
+            parts = []  # a certified bound per layer route, summed once
+            kept = []
+            for m, (per_sample, calls) in arrived.items():
+                rule = self.rules[m]
+                if per_sample is not None:
+                    for a, g in calls:  # a layer whose calls took both routes: all per-sample
+                        for name, t in rule.per_sample(m, a, g).items():
+                            per_sample[name].add_(t)
+                    parts += [materialised(t) for t in per_sample.values()]
+                elif calls:
+                    state = rule.prepare(m, calls, n)
+                    parts.append(rule.bound(m, state, n))
+                    kept.append((rule, m, calls, state))
+            factor, rows = clip_factors(parts, n, self.clip, losses.device)
+            # rows: examples recomputed alone in float64 (non-finite or extreme bounds); zeroed here, as 0 * inf is NaN
+            for m, (per_sample, _) in arrived.items():
+                for name, t in (per_sample or {}).items():
+                    t = t if rows is None else zero_rows(t, rows)
+                    view = view_of[id(getattr(m, name))]
+                    view.add_(weighted_sum(t, factor.to(t.dtype)))  # in float32 at least, cast when added
+            for rule, m, calls, state in kept:
+                if rows is not None:  # both a and g: either may hold the inf
+                    state = rule.prepare(m, [(zero_rows(a, rows), zero_rows(g, rows)) for a, g in calls], n)
+                rule.add_clipped(m, state, factor, view_of)
+        if rows is not None:
+            for k in rows.nonzero().flatten().tolist():
+                add_exact(self._exact_gradient(arrived, k), self.clip, view_of)
         return losses.detach()
+
+    def _exact_gradient(self, arrived, k: int) -> dict[int, torch.Tensor]:
+        """Example k's gradient in float64 (parameter id -> tensor): formed per-sample gradients as they are (what
+        the batch path would have summed), kept calls by the rule's own per-example route on float64 inputs."""
+        out: dict[int, torch.Tensor] = {}
+        for m, (per_sample, calls) in arrived.items():
+            if per_sample is not None:
+                grads = {name: t[k].double() for name, t in per_sample.items()}
+            elif calls:
+                one = [(a[k:k + 1].double() if a.is_floating_point() else a[k:k + 1], g[k:k + 1].double())
+                       for a, g in calls]
+                grads = self.rules[m].sample(m, one, 0)
+            else:
+                continue
+            for name, t in grads.items():
+                out[id(getattr(m, name))] = t
+        return out

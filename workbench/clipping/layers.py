@@ -8,7 +8,9 @@ Book-keeping hands a rule each call's (a, g) during the backward, as g arrives. 
   non-private step's, and the clipped sum costs no second weight-gradient kernel.
 - kept calls (``keeps`` true): (a, g) are held until the clip factors are known, then
   ``prepare(m, calls, n)``              what the two steps below share (e.g. the calls joined), computed once;
-  ``norms2(m, state, n)``               (n,) squared per-sample norms of m's trainable parameters' gradients (float32+);
+  ``bound(m, state, n)``                a :class:`~workbench.clipping.bound.Bound` per example: a certified upper
+                                        bound on the norm of what ``add_clipped`` will add for it (the argument is in
+                                        :mod:`workbench.clipping.bound`), never a float estimate of it;
   ``add_clipped(m, state, f, view_of)`` sum_i f_i grad_i into each trainable parameter's buffer view.
   Taken where per-sample gradients would be larger (one row per example through a Linear, embeddings, wide layers).
 ``sample(m, calls, k, absolute)`` is the pre-run check's independent route: example k's own gradient per parameter name
@@ -26,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workbench.clipping.bound import UNDERFLOW, U64, Bound, gamma, row_norms, squares
+
 Calls = list[tuple[torch.Tensor, torch.Tensor]]  # (layer input a, gradient g of its output) per call
 
 
@@ -33,18 +37,9 @@ def trainable(m: nn.Module) -> list[str]:
     return [name for name, p in m._parameters.items() if p is not None and p.requires_grad]  # no generator: per call
 
 
-def _norm_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
-
-
 def _precise(t: torch.Tensor) -> torch.Tensor:
     """A layer input or output gradient in float32 at least (no-op in float32/64; integer ids kept)."""
-    return t.to(_norm_dtype(t)) if t.is_floating_point() else t
-
-
-def squares(t: torch.Tensor) -> torch.Tensor:
-    """(n, ...) -> (n,) sums of squares in float32 at least (strided t read in place: no copy)."""
-    return torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim())), dtype=_norm_dtype(t)).square_()
+    return t.to(torch.promote_types(t.dtype, torch.float32)) if t.is_floating_point() else t
 
 
 def weighted_sum(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -127,22 +122,35 @@ class LinearRule:
             return tuple(_precise(t) for t in calls[0])
         return tuple(_cat([_precise(t).reshape(n, -1, t.shape[-1]) for t in ts], 1) for ts in zip(*calls))
 
-    def norms2(self, m, state, n):
+    def bound(self, m, state, n):
         a, g = state
         names = trainable(m)
-        dtype = _norm_dtype(g)
-        if a.dim() == 2:  # (||a_i||^2 + 1) ||g_i||^2 with a bias
-            gg = torch.linalg.vecdot(g, g)
-            if "weight" not in names:
-                return gg
-            aa = torch.linalg.vecdot(a, a)
-            return (aa.add_(1.0) if "bias" in names else aa).mul_(gg)
-        out = torch.zeros(n, device=g.device, dtype=dtype)
+        if a.dim() == 2:  # ||g_i a_i^T||^2 = ||a_i||^2 ||g_i||^2 (+ ||g_i||^2 with a bias): exact squares in float64
+            g64 = g.double()
+            gg = torch.linalg.vecdot(g64, g64)
+            n2 = gg
+            if "weight" in names:
+                a64 = a.double()
+                aa = torch.linalg.vecdot(a64, a64)
+                n2 = (aa.add_(1.0) if "bias" in names else aa).mul_(gg)
+            # one product per example and entry (no cancellation within an example): the matmul over n rows and the
+            # add into the buffer are within gamma_{n+2} of it; underflow of the scaled side times the other
+            under = UNDERFLOW * (math.sqrt(g.shape[1]) * (row_norms(a) + 1) + math.sqrt(a.shape[1]) * row_norms(g))
+            return Bound(n2, gamma(n + 2) * n2.sqrt(), under)
+        # sequences: per-sample gradients formed in float32 (sum over T: within gamma_T S of the exact), the clipped
+        # sum one matmul over n T rows (within gamma_{nT+2} S), S = sum_t ||g_t|| ||a_t||
+        steps = a.shape[1]
+        gn, an = row_norms(g), row_norms(a)
+        n2 = torch.zeros(n, device=g.device, dtype=torch.float64)
+        magnitude = torch.zeros(n, device=g.device, dtype=torch.float64)
         if "weight" in names:
-            out.add_(squares(self._weights(a, g)))
+            n2 += squares(self._weights(a, g))
+            magnitude += (gn * an).sum(1)
         if "bias" in names:
-            out.add_(squares(g.sum(1)))
-        return out
+            n2 += squares(g.sum(1))
+            magnitude += gn.sum(1)
+        under = UNDERFLOW * math.sqrt(g.shape[-1]) * (an.sum(1) + steps)
+        return Bound(n2, (gamma(steps + 1) + gamma(n * steps + 2)) * magnitude, under)
 
     def add_clipped(self, m, state, factor, view_of):
         a, g = state
@@ -195,14 +203,19 @@ class EmbeddingRule:
             g = g * (idx != m.padding_idx).unsqueeze(-1).to(g.dtype)
         return idx, g
 
-    def norms2(self, m, state, n):
+    def bound(self, m, state, n):
         idx, g = state
         rows = torch.arange(n, device=idx.device).unsqueeze(1) * m.num_embeddings + idx
         pairs, which = torch.unique(rows.flatten(), return_inverse=True)
-        summed = torch.zeros(len(pairs), g.shape[-1], device=g.device, dtype=_norm_dtype(g))
-        summed.index_add_(0, which, g.reshape(-1, g.shape[-1]).to(summed.dtype))
-        return torch.zeros(n, device=g.device, dtype=summed.dtype).index_add_(
+        summed = torch.zeros(len(pairs), g.shape[-1], device=g.device, dtype=torch.float64)
+        summed.index_add_(0, which, g.reshape(-1, g.shape[-1]).double())  # float64: repeats may cancel
+        n2 = torch.zeros(n, device=g.device, dtype=torch.float64).index_add_(
             0, torch.div(pairs, m.num_embeddings, rounding_mode="floor"), torch.linalg.vecdot(summed, summed))
+        # the float64 sums of an example's repeats (gamma64_T S), the index_add_ over the n T rows (gamma_{nT+2} S)
+        steps = g.shape[1]
+        magnitude = row_norms(g).sum(1)
+        under = UNDERFLOW * math.sqrt(g[0].numel())
+        return Bound(n2, (gamma(steps, U64) + gamma(n * steps + 2)) * magnitude, under)
 
     def add_clipped(self, m, state, factor, view_of):
         idx, g = state
@@ -278,14 +291,36 @@ class ConvRule:
                      stride=(1, *m.stride) if one_d else m.stride)
         return u.view(len(x), m.groups, -1, u.shape[-1])
 
-    def norms2(self, m, state, n):
+    def _patch_norms(self, m, x: torch.Tensor, padding) -> torch.Tensor:
+        """(n, L) float64 upper bounds on the norms of the input patches U_l each output position reads (all
+        channels), without unfolding: the channel-summed squares convolved with a kernel of ones."""
+        sq = x.square().sum(1, keepdim=True).double()  # float32 squares and channel sums: corrected below
+        ones = sq.new_ones(1, 1, *m.kernel_size)
+        conv = F.conv1d if x.dim() == 3 else F.conv2d
+        patch = conv(sq, ones, None, m.stride, padding, m.dilation).flatten(1)
+        p = x.shape[1] * math.prod(m.kernel_size)
+        return patch.mul_(1.0 + gamma(x.shape[1] + 3)).add_(p * 2.0 ** -148).sqrt_().mul_(1.0 + gamma(p + 2, U64))
+
+    def bound(self, m, state, n):
+        """Per-sample norms by the Gram trick in float64 (its rounding within gamma64_D S^2 of the squared norm) or
+        from per-sample gradients formed in float32 (within gamma_L S of the exact); the clipped sum is the layer's
+        weight-gradient kernel over n L positions (within gamma_{nL+2} S); S = sum_l ||g_l|| ||U_l||."""
         names = trainable(m)
         g0 = state[0][2]
-        dtype = _norm_dtype(g0)
-        out = torch.zeros(n, device=g0.device, dtype=dtype)
+        n2 = torch.zeros(n, device=g0.device, dtype=torch.float64)
+        lengths = sum(math.prod(g.shape[2:]) for _, _, g in state)
+        gn = torch.cat([row_norms(g.flatten(2).transpose(1, 2)) for _, _, g in state], 1)  # (n, L) ||g_l||
+        kernel = gamma(n * lengths + 2)
+        err = torch.zeros(n, device=g0.device, dtype=torch.float64)
+        under = torch.zeros(n, device=g0.device, dtype=torch.float64)
         if "weight" in names:
-            lengths = sum(math.prod(g.shape[2:]) for _, _, g in state)
+            patches = torch.cat([self._patch_norms(m, x, padding) for x, padding, _ in state], 1)
+            magnitude = (gn * patches).sum(1)
             gram = self.use_gram(m, lengths)
+            p = m.in_channels // m.groups * math.prod(m.kernel_size)
+            formed = math.sqrt(gamma(p + m.out_channels + lengths ** 2 + 2, U64)) if gram else gamma(lengths + 1)
+            err += (formed + kernel) * magnitude
+            under += UNDERFLOW * math.sqrt(m.out_channels) * patches.sum(1)
             # chunks of examples bound the memory of patches, Gram matrices and per-sample gradients
             per = m.groups * lengths * (lengths if gram else 1) + m.in_channels * math.prod(m.kernel_size) * lengths \
                 + m.weight.numel()
@@ -296,13 +331,15 @@ class ConvRule:
                     u = _cat([self._patches(m, x, padding) for x, padding, _ in chunk], -1).to(torch.float64)
                     g = _cat([g.reshape(len(g), m.groups, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
                     g = g.to(torch.float64)
-                    out[s:s + step] = (u.transpose(-1, -2) @ u).mul_(g.transpose(-1, -2) @ g).sum((1, 2, 3)).to(dtype)
+                    n2[s:s + step] = (u.transpose(-1, -2) @ u).mul_(g.transpose(-1, -2) @ g).sum((1, 2, 3)).clamp_(min=0)
                 else:
-                    out[s:s + step] = squares(sum(self._weight_grad(m, x, padding, g, len(g)).view(len(g), -1)
-                                                   for x, padding, g in chunk))
+                    n2[s:s + step] = squares(sum(self._weight_grad(m, x, padding, g, len(g)).view(len(g), -1)
+                                                 for x, padding, g in chunk))
         if "bias" in names:
-            out.add_(squares(sum(g.flatten(2).sum(-1) for _, _, g in state)))
-        return out
+            n2 += squares(sum(g.flatten(2).sum(-1) for _, _, g in state))
+            err += (gamma(lengths + 1) + kernel) * gn.sum(1)
+            under += UNDERFLOW * math.sqrt(m.out_channels) * lengths
+        return Bound(n2, err, under)
 
     def add_clipped(self, m, state, factor, view_of):
         names = trainable(m)

@@ -1,9 +1,10 @@
-"""Opacus' per-sample gradient modes.
+"""Opacus' per-sample gradient modes ``hooks``, ``functorch`` and ``ew`` (torch's expanded weights): per-sample
+gradients are materialised in ``p.grad_sample``; their flat norms give the clip factors and one ``addmv_`` per
+parameter the clipped sum, from the very tensors summed (:mod:`workbench.clipping.bound`).
 
-- ``hooks``, ``functorch``, ``ew`` (torch's expanded weights): per-sample gradients are materialised in
-  ``p.grad_sample``; their flat norms give the clip factors and one ``addmv_`` per parameter the clipped sum.
-- ``ghost`` (fast gradient clipping): a first backward yields per-sample norms without materialising per-sample
-  gradients, a second backward of the clip-weighted loss yields the clipped sum directly.
+Opacus' ``ghost`` (fast gradient clipping) is refused (:data:`GHOST_REFUSAL`): its norms are float32 Gram sums with
+negatives clamped to 0, its clipped sum a second backward over other numbers, so rounding escapes the clip (one example
+measured at 100 C). ``bk`` is the one-backward mode without per-sample gradients whose bound is certified.
 """
 
 from __future__ import annotations
@@ -11,14 +12,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workbench.clipping.base import (LossFn, Strategy, add_grads, check_tolerance, clip_factors, dropped, require_own,
-                                     zero_rows)
+from workbench.clipping.base import LossFn, Strategy, check_tolerance, require_own
+from workbench.clipping.bound import add_exact, clip_factors, materialised, zero_rows
 from workbench.errors import WorkbenchError
 
 
+GHOST_REFUSAL = ("grad_sample_mode=ghost is refused: Opacus' ghost norms are float32 Gram sums computed from other "
+                 "numbers than its clipped sum, so rounding can release an example far above C; use bk (one backward, "
+                 "no per-sample gradients, a certified bound) or auto")
+
+
 class _Checked(Strategy):
-    """The pre-run check for Opacus' modes: on a real batch, in training mode, each example's per-sample gradient (or
-    its norm, for ghost) must equal autograd's gradient of that example's loss alone, computed on the unwrapped model.
+    """The pre-run check for Opacus' modes: on a real batch, in training mode, each example's per-sample gradient must
+    equal autograd's gradient of that example's loss alone, computed on the unwrapped model.
     Opacus sees a weight only through its layer's hooks: a weight also used outside its layer fails here."""
 
     params: list[nn.Parameter]
@@ -57,7 +63,6 @@ class _Checked(Strategy):
             self.module.train(was_training)
             for p in self.params:
                 p.grad_sample = p.grad = None
-                p._norm_sample = None
         names = {id(p): n for n, p in self.module._module.named_parameters()}
         for p in self.params:  # Opacus sums, without a word, over a batch its layer's input does not have
             if id(p) in rows and len(rows[id(p)]) != len(own):
@@ -74,7 +79,7 @@ class _Checked(Strategy):
                 ref = torch.zeros(p.shape, device=p.device, dtype=exact) if ref is None else ref.to(exact)
                 if ref.is_sparse:
                     ref = ref.to_dense()
-                refs.append(torch.linalg.vector_norm(ref) if self.mode == "ghost" else ref)
+                refs.append(ref)
             # Without the terms, a gradient that is zero in exact arithmetic (attention's key bias: softmax ignores a
             # shift shared by every key) is rounding noise at the scale of the example's whole gradient, not its own.
             floor = 16 * torch.finfo(self.params[0].dtype).eps * max(float(r.abs().max()) for r in refs)
@@ -102,66 +107,18 @@ class PerSampleGradients(_Checked):
         losses = loss_fn(self.module, batch)
         n = len(losses)
         losses.sum().backward()
-        # None: a parameter unused in this forward; its clipped gradient is zero.
-        # Norms, factors and the sum in the parameters' dtype (float32), from the very values summed, whatever
-        # precision the backward ran in (bf16/fp16 autocast).
+        # None: a parameter unused in this forward; its clipped gradient is zero. Norms, factors and the sum from
+        # the very per-sample gradients summed (float32, whatever precision the backward ran in): clip what you sum.
         flat_samples = [(view_of[id(p)], p.grad_sample.reshape(n, -1).to(view_of[id(p)].dtype)) for p in self.params
                         if p.grad_sample is not None]
-        norms = torch.zeros(n, device=losses.device)
-        if flat_samples:  # vector_norm and addmv_: no full-size temporaries of the per-sample gradients
-            norms = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(gs, dim=1) for _, gs in flat_samples], dim=1), dim=1)
-        factor = clip_factors(norms, self.clip)
-        rows = dropped(factor)  # examples with a non-finite norm: their rows zeroed, as 0 * inf is NaN in the sum
-        for view, gs in flat_samples:
-            gs = gs if rows is None else zero_rows(gs, rows)
-            view.view(-1).addmv_(gs.t(), factor.to(gs.dtype))
+        factor, rows = clip_factors([materialised(gs) for _, gs in flat_samples], n, self.clip, losses.device)
+        for view, gs in flat_samples:  # rows: recomputed alone in float64 below (0 * inf is NaN in the sum)
+            view.view(-1).addmv_((gs if rows is None else zero_rows(gs, rows)).t(), factor.to(gs.dtype))
+        if rows is not None:
+            for k in rows.nonzero().flatten().tolist():
+                add_exact({id(view): gs[k].double().view_as(view) for view, gs in flat_samples}, self.clip,
+                          {id(view): view for view, _ in flat_samples})
         for p in self.params:
             p.grad_sample = None
             p.grad = None
-        return losses.detach()
-
-
-class Ghost(_Checked):
-    def __init__(self, model: nn.Module, params: list[nn.Parameter], clip: float):
-        from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import GradSampleModuleFastGradientClipping
-
-        self.params, self.clip, self.mode = params, clip, "ghost"
-        self.module = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="sum",
-                                                           max_grad_norm=clip, use_ghost_clipping=True)
-
-    def _rows(self, n):
-        return {id(p): p._norm_sample for p in self.params if getattr(p, "_norm_sample", None) is not None}
-
-    def accumulate(self, batch, loss_fn: LossFn, view_of: dict[int, torch.Tensor]) -> torch.Tensor:
-        losses = loss_fn(self.module, batch)
-        losses.sum().backward(retain_graph=True)
-        norms = torch.zeros(len(losses), device=losses.device)
-        for p in self.params:
-            ns = getattr(p, "_norm_sample", None)
-            if ns is not None:
-                norms.add_(ns.pow(2))
-                p._norm_sample = None
-            p.grad = None
-        factor = clip_factors(norms.sqrt_(), self.clip)
-        rows = dropped(factor)
-        if rows is not None:
-            # The second backward sums the examples inside autograd, where one whose norm is not finite gives
-            # 0 * inf = NaN whatever its factor: the runs of the other examples go through ghost again on their own
-            # (``batch`` is the trainer's Batch), each example's contribution still a function of it alone.
-            keep = (~rows).tolist()
-            start = None
-            for i, kept in enumerate([*keep, False]):
-                if kept and start is None:
-                    start = i
-                elif not kept and start is not None:
-                    self.accumulate(batch.slice(start, i), loss_fn, view_of)
-                    start = None
-            return losses.detach()
-        self.module.disable_hooks()
-        try:
-            (factor.detach() * losses).sum().backward()
-        finally:
-            self.module.enable_hooks()
-        add_grads(self.params, view_of)
         return losses.detach()

@@ -1,0 +1,162 @@
+"""The floating-point bound: each example's contribution, as actually summed, has norm <= C (1 + RHO).
+
+DP-SGD's sensitivity is about the tensors added, not the norms a strategy believes. A norm computed from one set of
+numbers (a float64 Gram matrix, a float32 sum of squares) and a sum computed from another (a float32 kernel) lets
+rounding escape the clip: one example whose large inputs cancel across positions has a true gradient near 0 (factor 1),
+yet the kernel's rounding error is released at hundreds of times C (Casacuberta et al., CCS 2022). So every route
+clips against a *certified upper bound* on the norm of what its kernel will add, never an estimate.
+
+The argument (u = 2^-24, float32's unit roundoff; gamma_k = k u / (1 - k u), the classic bound on k roundings):
+
+1. Each rule returns, per example i, a :class:`Bound`: ``n2`` >= the exact squared norm of the gradient it computed
+   (squares of float32 values are exact in float64; float32 partial sums over blocks of ``BLOCK`` are corrected by
+   1 / (1 - gamma_{BLOCK+3}), see :func:`squares`), and ``err`` >= how far the vector its kernel adds can be from that
+   gradient, *before* the clip factor. A kernel that sums K products (a matmul over n examples and T positions:
+   K = nT) returns exactly sum_k p_k (1 + theta_k) with |theta_k| <= gamma_K (backward error: any order, any
+   blocking, FMA or not): example i's share of the sum is its own terms, each perturbed by at most gamma_K, so its
+   distance from the exact gradient is at most gamma_K S_i, S_i = sum_t ||g_it|| ||a_it|| (>= the Frobenius norm of
+   sum_t |g_it| |a_it|^T). Rules that form per-sample gradients clip exactly what they sum (their error is
+   gamma_{n+2} of the norm: one matrix-vector product and the add into the buffer).
+2. B_i = sqrt(sum n2) (1 + gamma64) + sum err >= the norm of the unscaled vector added. The factor is
+   f_i = min(1, C / (B_i (1 + 4u))) in float64; its float32 rounding (<= 1 + u) and the product f_i g (<= 1 + u)
+   are inside the 1 + 4u. So the added vector has norm <= f_i B_i (1 + u)^2 <= C.
+3. What float32 cannot represent is not scaled there: an example whose factor is below 2^-60 (its float32 product
+   would lose bits to underflow), whose bound is not finite (a float32 square overflowed, or inf/NaN), or whose
+   underflow term (``under``: the most that values rounded below 2^-126 can move its sum, 2^-149 per entry times what
+   multiplies it) exceeds 2^-30 C, is zeroed in the batch kernels and recomputed alone in float64 (:func:`add_exact`):
+   its gradient, its norm and the scaling in float64, cast once. A finite gradient is clipped to C there, never
+   dropped; only one that is not finite in float64 contributes 0.
+
+Hence RHO = 2^-20 covers the remaining roundings (the float64 cast, the underflow term). Outside the bound, stated in
+README: the rounding of later additions (micro-batch sums into the step's buffer, the all-reduce, the noise), which
+round the running total, and the floating-point Gaussian sampler itself (Mironov, CCS 2012). On CUDA the kernels the
+bound relies on run with TF32 off (:func:`exact_float32`): TF32 would round their inputs to 10 bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator, NamedTuple
+
+import torch
+
+U32 = 2.0 ** -24  # float32 unit roundoff (bf16/fp16 inputs are widened to float32 before any kernel here)
+U64 = 2.0 ** -53
+RHO = 2.0 ** -20  # each example's contribution <= C (1 + RHO); see the module docstring
+BLOCK = 256  # float32 partial sums of squares over at most this many entries, then float64
+TINY_FACTOR = 2.0 ** -60  # below: float64 route (a float32 factor and its products would lose bits to underflow)
+UNDERFLOW = 2.0 ** -149  # the most rounding to a float32 subnormal moves a value
+GAMMA64 = 2.0 ** 32 * U64 / (1 - 2.0 ** 32 * U64)  # float64 sums of up to 2^32 terms and the sqrt: a generous margin
+
+
+def gamma(k: float, u: float = U32) -> float:
+    """Higham's gamma_k = k u / (1 - k u): the relative error bound of k successive roundings."""
+    return k * u / (1.0 - k * u) if k * u < 0.5 else math.inf
+
+
+class Bound(NamedTuple):
+    """Per example (float64, (n,) or broadcastable): ``n2`` >= the exact squared norm of the gradient a route computed,
+    ``err`` >= the norm of the difference between what its kernel adds (before the factor) and that gradient, ``under``
+    >= what float32 underflow in the scaled product can move the sum (absolute, not scaled by the factor)."""
+
+    n2: torch.Tensor
+    err: torch.Tensor | float = 0.0
+    under: torch.Tensor | float = 0.0
+
+
+def squares(t: torch.Tensor) -> torch.Tensor:
+    """(n, ...) -> (n,) float64 upper bounds on the exact sums of squares. Blocks of at most ``BLOCK`` entries are
+    reduced in t's precision (fast; relative error <= gamma_{BLOCK+3} with the squaring and the sqrt/square of
+    vector_norm), their results summed in float64 and divided by 1 - gamma: a rigorous bound whatever the reduction
+    order. A float32 square past 3.4e38 makes the bound inf: that example is recomputed alone in float64
+    (:func:`add_exact`), where every float32 square is exact."""
+    n = len(t)
+    if t.dim() == 1:
+        return t.double().square()
+    # a stride order in which t is contiguous (Linear's per-sample weights are a transposed view): no copy
+    order = sorted(range(1, t.dim()), key=lambda d: -t.stride(d))
+    flat = t.permute(0, *order)
+    flat = flat.reshape(n, -1) if flat[0].is_contiguous() else flat.contiguous().view(n, -1)
+    p = flat.shape[1]
+    whole = p // BLOCK * BLOCK
+    out = torch.zeros(n, device=t.device, dtype=torch.float64)
+    if whole:
+        blocks = torch.linalg.vector_norm(flat[:, :whole].view(n, whole // BLOCK, BLOCK), dim=2)
+        out += blocks.double().square_().sum(1)
+    if whole < p:
+        out += torch.linalg.vector_norm(flat[:, whole:], dim=1).double().square_()
+    if t.dtype != torch.float64:  # relative error of the blocks; squares below 2^-126 may round to 0 (absolute)
+        out.div_(1.0 - gamma(BLOCK + 3, torch.finfo(t.dtype).eps / 2)).add_(p * 2.0 ** -148)
+    return out
+
+
+def row_norms(t: torch.Tensor) -> torch.Tensor:
+    """Float64 upper bounds on the L2 norms over t's last dim (a float32 reduction, corrected by gamma_{d+3}; squares
+    that round to 0 below 2^-126 by an absolute term). For the magnitudes S in the kernels' error terms."""
+    d = t.shape[-1]
+    return torch.linalg.vector_norm(t, dim=-1).double().mul_(1.0 + gamma(d + 3)).add_(math.sqrt(d) * 2.0 ** -74)
+
+
+def materialised(t: torch.Tensor) -> Bound:
+    """The bound of per-sample gradients ``t`` (n, ...) that are summed as they are (one matrix-vector product with the
+    factors, added into the buffer): clip what you sum."""
+    n2 = squares(t)
+    per_example = t[0].numel() if len(t) else 0
+    return Bound(n2, gamma(len(t) + 2) * n2.sqrt(), UNDERFLOW * math.sqrt(per_example))
+
+
+def clip_factors(parts: list[Bound], n: int, clip: float, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The float32 clip factors of n examples from their routes' bounds, and the mask of examples to be recomputed
+    alone in float64 (:func:`add_exact`; their factor here is 0 and callers zero their rows), or None when there is
+    none: the usual case costs one host read. Which examples take that route is private: never log it."""
+    n2 = torch.zeros(n, device=device, dtype=torch.float64)
+    err = torch.zeros(n, device=device, dtype=torch.float64)
+    under = torch.zeros(n, device=device, dtype=torch.float64)
+    for b in parts:
+        n2 += b.n2
+        err += b.err
+        under += b.under
+    bound = n2.sqrt_().mul_(1.0 + GAMMA64).add_(err)
+    factor = (clip / (1.0 + 4 * U32)) / bound  # bound 0: inf, then 1
+    factor.clamp_(max=1.0)
+    exact = ~(factor >= TINY_FACTOR) | (under > clip * 2.0 ** -30)  # NaN factor (inf/NaN bound) lands here too
+    rows = exact if bool(exact.any()) else None
+    factor = factor.float()
+    return (factor if rows is None else factor.masked_fill_(rows, 0.0)), rows
+
+
+def zero_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``t`` (batch first) with the masked examples' rows set to 0, out of place (``t`` may be a layer's input that
+    the caller still holds); integer tensors (token ids) as they are."""
+    if not t.is_floating_point():
+        return t
+    return t.masked_fill(rows.view(-1, *[1] * (t.dim() - 1)), 0)
+
+
+def add_exact(grads: dict[int, torch.Tensor], clip: float, view_of: dict[int, torch.Tensor]) -> None:
+    """One example's gradient (parameter id -> float64 tensor) clipped in float64 and added: its norm, factor and
+    scaled values are float64, then cast once to the buffer (<= 1 + u per entry, plus subnormal rounding). A gradient
+    that is not finite even in float64 contributes 0 (a function of that example alone, norm 0 <= C)."""
+    norm = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
+    if not math.isfinite(norm):
+        return
+    factor = min(1.0, clip / norm) if norm > 0 else 1.0
+    for key, g in grads.items():
+        view = view_of[key]
+        view.add_((g * factor).to(view.dtype))
+
+
+@contextlib.contextmanager
+def exact_float32(device: torch.device) -> Iterator[None]:
+    """CUDA kernels in true float32 (TF32 off) while the bound's kernels run: TF32 rounds their inputs to 10 bits,
+    which the gamma_K margins do not cover. CPU: nothing to do."""
+    if device.type != "cuda":
+        yield
+        return
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
