@@ -39,6 +39,8 @@ class Mutant:
 
 
 NOISE_GATE = "if self.private and self.sigma > 0 and self.dist.rank == 0:"
+FP_CANCEL = "tests/test_fp_bound.py::test_inputs_that_cancel_across_positions_are_released_within_the_clip"
+FP_FUZZ = "tests/test_fp_bound.py::test_no_example_is_released_above_the_clip_in_floating_point"
 
 MUTANTS = (
     Mutant("divide-by-realised-batch", "the update is divided by the realised batch, not the expected B",
@@ -64,8 +66,8 @@ MUTANTS = (
            "d.world_size, cfg.ddp_shard)",
            ("tests/test_distributed.py::test_parameters_stay_identical_and_only_rank_zero_tracks",)),
     Mutant("clip-per-layer", "each parameter's per-example gradient is clipped to C on its own, not the whole flat one",
-           "workbench/clipping/opacus_modes.py", "view.view(-1).addmv_(gs.t(), factor.to(gs.dtype))",
-           "view.view(-1).addmv_(gs.t(), (self.clip / (torch.linalg.vector_norm(gs, dim=1) + 1e-6)).clamp(max=1.0))",
+           "workbench/clipping/opacus_modes.py", "zero_rows(gs, rows)).t(), factor.to(gs.dtype))",
+           "zero_rows(gs, rows)).t(), (self.clip / (torch.linalg.vector_norm(gs, dim=1) + 1e-6)).clamp(max=1.0))",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear-hooks]",)),
     Mutant("bk-norm-without-bias", "book-keeping leaves the bias out of each example's norm: under-clipped examples",
            "workbench/clipping/layers.py", '(aa.add_(1.0) if "bias" in names else aa)', "aa",
@@ -76,15 +78,41 @@ MUTANTS = (
            ("tests/test_clipping.py::test_a_weight_used_outside_its_layer_is_refused_one_example_at_a_time[bk]",)),
     Mutant("non-finite-factor-kept", "an example whose norm is NaN keeps a NaN clip factor: one example's data makes "
            "the release non-finite (an event seen without noise)",
-           "workbench/clipping/base.py", ".clamp_(max=1.0).nan_to_num_(nan=0.0)", ".clamp_(max=1.0)",
+           "workbench/clipping/bound.py", "exact = ~(factor >= TINY_FACTOR)", "exact = (factor < TINY_FACTOR)",
            ("tests/test_clipping.py::test_an_example_with_a_non_finite_gradient_contributes_zero_and_the_others_are_"
             "unchanged[hooks-nan]",)),
-    Mutant("non-finite-rows-summed", "a zeroed example's inf rows still enter the clipped sum: 0 * inf = NaN",
-           "workbench/clipping/base.py", "return None if bool(factor.all()) else factor == 0", "return None",
+    Mutant("non-finite-rows-summed-bk", "a zeroed example's inf rows still enter bk's clipped sum: 0 * inf = NaN",
+           "workbench/clipping/book_keeping.py", "t = t if rows is None else zero_rows(t, rows)", "t = t",
            ("tests/test_clipping.py::test_an_example_with_a_non_finite_gradient_contributes_zero_and_the_others_are_"
-            "unchanged[bk-nan]",
-            "tests/test_clipping.py::test_an_example_with_a_non_finite_gradient_contributes_zero_and_the_others_are_"
-            "unchanged[hooks-overflow]")),
+            "unchanged[bk-nan]",)),
+    Mutant("non-finite-rows-summed-opacus", "a zeroed example's inf rows still enter the hooks sum: 0 * inf = NaN",
+           "workbench/clipping/opacus_modes.py", "(gs if rows is None else zero_rows(gs, rows))", "gs",
+           ("tests/test_clipping.py::test_an_example_with_a_non_finite_gradient_contributes_zero_and_the_others_are_"
+            "unchanged[hooks-overflow]",)),
+    # issue 19: each route's factor recomputed from another precision or quantity than what its kernel sums
+    Mutant("fp-conv-kept-norm-without-kernel-error", "the conv kept/Gram route clips against its float64 norm alone: "
+           "the float32 kernel's rounding of cancelling terms escapes the clip",
+           "workbench/clipping/layers.py", "err += (formed + kernel) * magnitude", "err += 0 * magnitude",
+           (FP_CANCEL + "[conv1x1_kept]", FP_CANCEL + "[patch_embedding]")),
+    Mutant("fp-linear-seq-norm-without-kernel-error", "the Linear sequence kept route clips against the float32 "
+           "per-sample norm, not the matmul's sum",
+           "workbench/clipping/layers.py", "return Bound(n2, (gamma(steps + 1) + gamma(n * steps + 2)) * magnitude, under)",
+           "return Bound(n2, 0 * magnitude, under)", (FP_CANCEL + "[linear_seq_kept]",)),
+    Mutant("fp-embedding-norm-without-kernel-error", "Embedding clips against float64 row sums, not the float32 "
+           "index_add_ that sums them", "workbench/clipping/layers.py",
+           "return Bound(n2, (gamma(steps, U64) + gamma(n * steps + 2)) * magnitude, under)",
+           "return Bound(n2, 0 * magnitude, under)", (FP_CANCEL + "[embedding]",)),
+    Mutant("fp-linear-rows-norm-in-bf16", "the Linear rows route's norms from bf16-rounded inputs: rounded down, an "
+           "example escapes the clip", "workbench/clipping/layers.py", "a64 = a.double()", "a64 = a.bfloat16().double()",
+           (FP_FUZZ,)),
+    Mutant("fp-materialised-norm-in-bf16", "formed per-sample gradients (bk's formed routes, hooks, functorch, ew) "
+           "clipped by a bf16 norm, not the float32 values summed", "workbench/clipping/bound.py",
+           "    n2 = squares(t)\n", "    n2 = squares(t.bfloat16())\n", (FP_FUZZ,)),
+    Mutant("fp-huge-gradient-dropped", "a finite gradient past float32's squares contributes 0 instead of C",
+           "workbench/clipping/bound.py", "    if not math.isfinite(norm):\n        return",
+           "    if True:\n        return",
+           ("tests/test_fp_bound.py::test_a_finite_gradient_past_float32s_squares_is_clipped_to_c_not_dropped[bk]",
+            "tests/test_fp_bound.py::test_a_finite_gradient_past_float32s_squares_is_clipped_to_c_not_dropped[hooks]")),
     Mutant("pinned-seed-logged", "a pinned secure_seed reaches MLflow's params unredacted",
            "workbench/tracking.py", 'container["privacy"]["secure_seed"] = "<redacted>"', "pass",
            ("tests/test_resume.py::test_streams_are_secret_unless_pinned",)),

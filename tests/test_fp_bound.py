@@ -46,19 +46,35 @@ class Probe(nn.Module):
     """``body`` on the crafted input, each position's output weighted by a fixed random number (so the layer's output
     gradient varies across positions and cancellation is not exact), pooled, then a trainable Linear head."""
 
-    def __init__(self, body: nn.Module, shape: tuple[int, ...], features: int, positions: int, twice: bool = False):
+    def __init__(self, body: nn.Module, shape: tuple[int, ...], features: int, positions: int, twice: bool = False,
+                 channels_first: bool = False):
         super().__init__()
-        self.body, self.shape, self.twice = body, shape, twice
+        self.body, self.shape, self.twice, self.channels_first = body, shape, twice, channels_first
         self.register_buffer("mix", torch.randn(positions, generator=torch.Generator().manual_seed(7)) + 0.5)
         self.head = nn.Linear(features, 3)
 
     def forward(self, x):
-        h = self.body(x.view(len(x), *self.shape))
+        if self.channels_first:  # the (T, d) example as d channels over T positions (T = the spatial size)
+            # contiguous: torch 2.13's CPU GroupNorm backward crashes on this transposed layout, private or not
+            x = x.view(len(x), -1, self.shape[0]).transpose(1, 2).contiguous()
+        h = self.body(x.reshape(len(x), *self.shape))
         if self.twice:
             h = self.body(torch.tanh(h))
         h = h.flatten(2).transpose(1, 2) if h.dim() > 3 or isinstance(self.body, (nn.Conv1d, nn.Conv2d)) else h
         h = h.reshape(len(x), -1, h.shape[-1])  # (n, positions, features)
         return self.head((h * self.mix[: h.shape[1]].view(1, -1, 1).to(h.dtype)).mean(1))
+
+
+class PatchProbe(Probe):
+    """A ViT patch embedding (4x4 patches, stride 4) over 8 patches in a row: the (T, d) example is T = 8 patches of
+    d = 3 x 4 x 4 pixels, so values that cancel across positions cancel patch against patch."""
+
+    def __init__(self):
+        super().__init__(nn.Conv2d(3, 48, 4, stride=4), (3, 4, 32), 48, 8)
+
+    def forward(self, x):
+        img = x.view(len(x), 8, 3, 4, 4).permute(0, 2, 3, 1, 4).reshape(len(x), 3 * 4 * 32)
+        return super().forward(img)
 
 
 class EmbeddingProbe(nn.Module):
@@ -80,13 +96,14 @@ LAYERS = {
     "linear_seq_formed": (lambda: Probe(nn.Linear(4, 4), (16, 4), 4, 16), 16, 4),
     "linear_reused": (lambda: Probe(nn.Linear(32, 32), (6, 32), 32, 6, twice=True), 6, 32),
     "lora": (lambda: Probe(LoRALinear(32, 32), (6, 32), 32, 6), 6, 32),
-    "conv1x1_kept": (lambda: Probe(nn.Conv2d(64, 64, 1), (64, 2, 2), 64, 4), 4, 64),
-    "patch_embedding": (lambda: Probe(nn.Conv2d(3, 48, 4, stride=4), (3, 8, 8), 48, 4), 64, 3),
-    "conv1d_stride_groups": (lambda: Probe(nn.Conv1d(8, 8, 3, stride=2, groups=2), (8, 16), 8, 7), 16, 8),
-    "conv2d_formed": (lambda: Probe(nn.Conv2d(2, 4, 3, padding=1), (2, 6, 6), 4, 36), 36, 2),
+    "conv1x1_kept": (lambda: Probe(nn.Conv2d(64, 64, 1), (64, 4, 4), 64, 16, channels_first=True), 16, 64),
+    "patch_embedding": (lambda: PatchProbe(), 8, 48),
+    "conv1d_stride_groups": (lambda: Probe(nn.Conv1d(8, 8, 3, stride=2, groups=2), (8, 16), 8, 7,
+                                           channels_first=True), 16, 8),
+    "conv2d_formed": (lambda: Probe(nn.Conv2d(2, 4, 3, padding=1), (2, 6, 6), 4, 36, channels_first=True), 36, 2),
     "layernorm": (lambda: Probe(nn.LayerNorm(8), (6, 8), 8, 6), 6, 8),
     "rmsnorm": (lambda: Probe(nn.RMSNorm(8), (6, 8), 8, 6), 6, 8),
-    "groupnorm": (lambda: Probe(nn.GroupNorm(2, 8), (8, 3, 3), 8, 9), 9, 8),
+    "groupnorm": (lambda: Probe(nn.GroupNorm(2, 8), (8, 3, 3), 8, 9, channels_first=True), 9, 8),
     "embedding": (EmbeddingProbe, 12, 1),
 }
 PATTERNS = ("plain", "cancel", "one_huge", "subnormal", "near_overflow")
@@ -98,10 +115,11 @@ def crafted(pattern: str, exponent: int, positions: int, features: int, seed: in
     x = torch.randn(positions, features, generator=g, dtype=torch.float64)
     if pattern == "plain":
         x *= 10.0 ** exponent
-    elif pattern == "cancel":  # pairs v, -v (1 + tiny) across positions, magnitudes log-uniform up to 10^exponent
+    elif pattern == "cancel":  # pairs v, -v across positions (sums to 0 exactly), magnitudes log-uniform to 10^exponent
         half = (positions + 1) // 2
-        v = x[:half] * torch.exp(torch.rand(half, features, generator=g, dtype=torch.float64) * abs(exponent) * 2.3)
-        x = torch.cat([v, -v * (1 + 1e-7 * torch.randn_like(v))])[:positions]
+        v = (x[:half] * torch.exp(torch.rand(half, features, generator=g, dtype=torch.float64) * abs(exponent) * 2.3))
+        v = v.float().double()  # float32 values, so -v is exactly their negation
+        x = torch.cat([v, -v])[:positions]
         x = x[torch.randperm(positions, generator=g)]
     elif pattern == "one_huge":
         x.view(-1)[int(torch.randint(0, x.numel(), (1,), generator=g))] = 10.0 ** abs(exponent)
@@ -138,9 +156,12 @@ def _oracle(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return flat * min(1.0, CLIP / float(flat.norm())) if float(flat.norm()) > 0 else flat
 
 
-def _model(name: str, pattern: str, exponent: int) -> nn.Module:
+def _model(name: str, pattern: str, exponent: int, flat: bool = False) -> nn.Module:
+    """``flat``: every position weighted alike, so inputs that cancel across positions cancel in the gradient too."""
     torch.manual_seed(0)
     model = LAYERS[name][0]()
+    if flat:
+        model.mix.fill_(1.0)
     if name == "embedding":  # the crafted magnitude lives in the table the ids read
         with torch.no_grad():
             model.emb.weight.mul_(10.0 ** exponent if pattern != "subnormal" else 1e-40)
@@ -150,15 +171,16 @@ def _model(name: str, pattern: str, exponent: int) -> nn.Module:
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=not FUZZ, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(sorted(LAYERS)), mode=st.sampled_from(MODES), bf16=st.booleans(),
-       pattern=st.sampled_from(PATTERNS), exponent=st.integers(-30, 30), seed=st.integers(0, 2 ** 16))
-def test_no_example_is_released_above_the_clip_in_floating_point(name, mode, bf16, pattern, exponent, seed):
+       pattern=st.sampled_from(PATTERNS), exponent=st.integers(-30, 30), seed=st.integers(0, 2 ** 16),
+       flat=st.booleans())
+def test_no_example_is_released_above_the_clip_in_floating_point(name, mode, bf16, pattern, exponent, seed, flat):
     _, positions, features = LAYERS[name]
     x = crafted(pattern, exponent, positions, features, seed)
     if name == "embedding":
         x = torch.randint(0, 5, (1, positions), generator=torch.Generator().manual_seed(seed)).float()
     y = torch.tensor([seed % 3])
     try:
-        step = _step(_model(name, pattern, exponent), mode, bf16)
+        step = _step(_model(name, pattern, exponent, flat), mode, bf16)
         benign = _benign(name) if name != "embedding" else torch.randint(0, 5, (6, positions)).float()
         step.check((benign, torch.arange(6) % 3))  # the pre-run check sees real, benign data
     except WorkbenchError:
@@ -175,7 +197,7 @@ def test_no_example_is_released_above_the_clip_in_floating_point(name, mode, bf1
     assert float((with_it - without).norm()) <= CLIP * (1 + RHO) + slack
     tame = pattern == "plain" and abs(exponent) <= 2 and not bf16 and name != "embedding"
     if tame:  # where the oracle's own rounding allows, the clipped gradient itself, not just its norm
-        expected = _oracle(_model(name, pattern, exponent), x, y)
+        expected = _oracle(_model(name, pattern, exponent, flat), x, y)
         torch.testing.assert_close(alone, expected, rtol=1e-3, atol=1e-6 * CLIP)
 
 
@@ -195,14 +217,31 @@ def test_a_finite_gradient_past_float32s_squares_is_clipped_to_c_not_dropped(mod
         assert 0.999 * CLIP <= norm <= CLIP * (1 + RHO), (mode, scale, norm)
 
 
-def test_the_issues_cases_were_far_above_the_clip_by_float32_and_are_now_within():
-    """The 1x1 convolution on the kept/Gram route whose inputs cancel across positions: its float32 kernel sum is
-    rounding error far larger than its exact gradient; the bound counts that error, so it is released within C."""
-    torch.manual_seed(0)
-    model = LAYERS["conv1x1_kept"][0]()
-    step = _step(model, "bk", False)
-    step.check((_benign("conv1x1_kept"), torch.arange(6) % 3))
-    worst = max(float(_released(step, crafted("cancel", 12, 4, 64, seed), torch.tensor([0])).norm())
-                for seed in range(4))
-    assert worst <= CLIP * (1 + RHO)
-    assert math.isfinite(worst)
+def _embedding_cancelling(model: EmbeddingProbe, seed: int) -> torch.Tensor:
+    """One id repeated at every position, weighted so the rows cancel exactly in float64 and not in a float32 sum."""
+    g = torch.Generator().manual_seed(seed)
+    big = float(torch.exp(torch.rand(1, generator=g) * 18 + 5))  # 1e2 .. 1e10
+    mix = torch.tensor([big, 1.0, -big, -1.0] * 3)[torch.randperm(12, generator=g)]
+    model.mix.copy_(mix)
+    return torch.full((1, 12), 1.0)
+
+
+@pytest.mark.parametrize("name", ["conv1x1_kept", "patch_embedding", "linear_seq_kept", "embedding"])
+def test_inputs_that_cancel_across_positions_are_released_within_the_clip(name):
+    """The issue's cases: one example whose terms cancel across positions (a 1x1 convolution and a patch embedding on
+    the kept/Gram route, a Linear on sequences, an Embedding whose repeated rows cancel). Its exact gradient is near 0,
+    its float32 kernel sum is rounding error hundreds of times C (17,000 C measured before the bound); the bound
+    counts that error, so it is released within C."""
+    _, positions, features = LAYERS[name]
+    worst = 0.0
+    for seed in range(4):
+        model = _model(name, "cancel", 0, flat=name != "embedding")
+        step = _step(model, "bk", False)
+        if name == "embedding":
+            step.check((torch.randint(0, 5, (6, positions)).float(), torch.arange(6) % 3))
+            x = _embedding_cancelling(model, seed)
+        else:
+            step.check((_benign(name), torch.arange(6) % 3))
+            x = crafted("cancel", 12, positions, features, seed)
+        worst = max(worst, float(_released(step, x, torch.tensor([seed % 3])).norm()))
+    assert math.isfinite(worst) and worst <= CLIP * (1 + RHO)
