@@ -46,7 +46,11 @@ U64 = 2.0 ** -53
 RHO = 2.0 ** -20  # each example's contribution <= C (1 + RHO); see the module docstring
 BLOCK = 256  # float32 partial sums of squares over at most this many entries, then float64
 TINY_FACTOR = 2.0 ** -60  # below: float64 route (a float32 factor and its products would lose bits to underflow)
-UNDERFLOW = 2.0 ** -149  # the most rounding to a float32 subnormal moves a value
+SUBNORMAL = 2.0 ** -148  # twice the most a square rounded below float32's normal range (2^-126) loses
+# Every operand a kernel multiplies by a scaled value has entries below 2^64: larger ones overflow the float32
+# squares its rule sums (inf: the float64 route). A scaled value rounded to a subnormal then moves a product by at
+# most 2^-149 * 2^64, hence the absolute slack UNDERFLOW per term of an example's own sum (see Bound.slack).
+UNDERFLOW = 2.0 ** -85
 GAMMA64 = 2.0 ** 32 * U64 / (1 - 2.0 ** 32 * U64)  # float64 sums of up to 2^32 terms and the sqrt: a generous margin
 
 
@@ -56,74 +60,96 @@ def gamma(k: float, u: float = U32) -> float:
 
 
 class Bound(NamedTuple):
-    """Per example (float64, (n,) or broadcastable): ``n2`` >= the exact squared norm of the gradient a route computed,
-    ``err`` >= the norm of the difference between what its kernel adds (before the factor) and that gradient, ``under``
-    >= what float32 underflow in the scaled product can move the sum (absolute, not scaled by the factor)."""
+    """One route's bound for n examples: the norm of what its kernel adds for example i, before the clip factor, is at
+    most (sqrt(n2_i + floor) + err_i) (1 + rel); after the factor, float32 underflow moves it by at most ``slack``.
+    ``n2`` (n,) may be float32 (its rounding is in ``rel``; inf sends the example to the float64 route) or float64;
+    the scalars cost no tensor operation (the MLP's step is a few hundred microseconds: every op counts)."""
 
     n2: torch.Tensor
-    err: torch.Tensor | float = 0.0
-    under: torch.Tensor | float = 0.0
+    rel: float = 0.0
+    err: torch.Tensor | None = None
+    slack: float = 0.0
+    floor: float = 0.0
 
 
-def squares(t: torch.Tensor) -> torch.Tensor:
-    """(n, ...) -> (n,) float64 upper bounds on the exact sums of squares. Blocks of at most ``BLOCK`` entries are
-    reduced in t's precision (fast; relative error <= gamma_{BLOCK+3} with the squaring and the sqrt/square of
-    vector_norm), their results summed in float64 and divided by 1 - gamma: a rigorous bound whatever the reduction
-    order. A float32 square past 3.4e38 makes the bound inf: that example is recomputed alone in float64
-    (:func:`add_exact`), where every float32 square is exact."""
+def squares(t: torch.Tensor) -> Bound:
+    """The sums of squares of per-sample tensors t (n, ...), as a Bound: float32 reductions over blocks of at most
+    ``BLOCK`` entries (relative error <= gamma_{BLOCK+3} with the squaring, whatever the order; squares below 2^-126
+    may round to 0: ``floor``), the blocks summed in float64. A block past float32's range is inf: that example takes
+    the float64 route (:func:`add_exact`), where every float32 square is exact."""
     n = len(t)
     if t.dim() == 1:
-        return t.double().square()
+        return Bound(t.double().square())
     # a stride order in which t is contiguous (Linear's per-sample weights are a transposed view): no copy
     order = sorted(range(1, t.dim()), key=lambda d: -t.stride(d))
     flat = t.permute(0, *order)
     flat = flat.reshape(n, -1) if flat[0].is_contiguous() else flat.contiguous().view(n, -1)
     p = flat.shape[1]
+    rel = gamma(min(p, BLOCK) + 3, torch.finfo(t.dtype).eps / 2) / 2  # on the norm: half the squares' bound
+    if p <= BLOCK:  # one block: one float32 reduction
+        return Bound(torch.linalg.vector_norm(flat, dim=1).square_(), rel, floor=p * SUBNORMAL)
     whole = p // BLOCK * BLOCK
-    out = torch.zeros(n, device=t.device, dtype=torch.float64)
-    if whole:
-        blocks = torch.linalg.vector_norm(flat[:, :whole].view(n, whole // BLOCK, BLOCK), dim=2)
-        out += blocks.double().square_().sum(1)
+    out = torch.linalg.vector_norm(flat[:, :whole].view(n, whole // BLOCK, BLOCK), dim=2).square_().sum(
+        1, dtype=torch.float64)
     if whole < p:
-        out += torch.linalg.vector_norm(flat[:, whole:], dim=1).double().square_()
-    if t.dtype != torch.float64:  # relative error of the blocks; squares below 2^-126 may round to 0 (absolute)
-        out.div_(1.0 - gamma(BLOCK + 3, torch.finfo(t.dtype).eps / 2)).add_(p * 2.0 ** -148)
-    return out
+        out += torch.linalg.vector_norm(flat[:, whole:], dim=1).square_()
+    return Bound(out, rel, floor=p * SUBNORMAL)
 
 
-def row_norms(t: torch.Tensor) -> torch.Tensor:
-    """Float64 upper bounds on the L2 norms over t's last dim (a float32 reduction, corrected by gamma_{d+3}; squares
-    that round to 0 below 2^-126 by an absolute term). For the magnitudes S in the kernels' error terms."""
+def norms(t: torch.Tensor) -> torch.Tensor:
+    """Float64 upper bounds on the L2 norms over t's last dim, up to a factor 1 + NORMS_REL that callers fold into
+    their scalar coefficients: float32 squares (inf past 2^64, which sends the example to the float64 route), the
+    squares lost below 2^-126 added back. For the magnitudes S in the kernels' error terms."""
     d = t.shape[-1]
-    return torch.linalg.vector_norm(t, dim=-1).double().mul_(1.0 + gamma(d + 3)).add_(math.sqrt(d) * 2.0 ** -74)
+    return torch.linalg.vector_norm(t, dim=-1).square_().double().add_(d * SUBNORMAL).sqrt_()
+
+
+def norms_rel(d: int) -> float:
+    """The relative error :func:`norms` leaves to its callers for rows of d entries (float32 sum of d squares)."""
+    return gamma(d + 3) / 2
 
 
 def materialised(t: torch.Tensor) -> Bound:
     """The bound of per-sample gradients ``t`` (n, ...) that are summed as they are (one matrix-vector product with the
-    factors, added into the buffer): clip what you sum."""
-    n2 = squares(t)
+    factors, added into the buffer): clip what you sum, within gamma_{n+2} of it."""
+    b = squares(t)
     per_example = t[0].numel() if len(t) else 0
-    return Bound(n2, gamma(len(t) + 2) * n2.sqrt(), UNDERFLOW * math.sqrt(per_example))
+    return b._replace(rel=b.rel + gamma(len(t) + 2), slack=UNDERFLOW * math.sqrt(per_example))
 
 
 def clip_factors(parts: list[Bound], n: int, clip: float, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The float32 clip factors of n examples from their routes' bounds, and the mask of examples to be recomputed
-    alone in float64 (:func:`add_exact`; their factor here is 0 and callers zero their rows), or None when there is
-    none: the usual case costs one host read. Which examples take that route is private: never log it."""
-    n2 = torch.zeros(n, device=device, dtype=torch.float64)
-    err = torch.zeros(n, device=device, dtype=torch.float64)
-    under = torch.zeros(n, device=device, dtype=torch.float64)
-    for b in parts:
+    """The clip factors of n examples from their routes' bounds (consumed: the first part's ``n2`` is summed into),
+    and the mask of examples to be recomputed alone in float64 (:func:`add_exact`; their factor here is 0 and callers
+    zero their rows), or None when there is none: the usual case costs one host read. Which examples take that route is
+    private: never log it.
+
+    The parts are disjoint blocks of an example's vector: its norm before the factor is at most
+    B = (sqrt(sum n2) + sqrt(F) + sum err) (1 + max rel), F the squares lost to underflow. With
+    f = min(1, c / (sqrt(sum n2) + sum err)), c = (C - slack - sqrt(F)) / ((1 + max rel) (1 + 8u)), the vector added
+    is at most f B (1 + 2u) + slack <= C: f B <= c (1 + max rel) + sqrt(F) whether f clips or not. The scalars cost no
+    tensor operation; in float32 the sums, the (r)sqrt and the product round by at most 6u, inside the 1 + 8u."""
+    if not parts:
+        return torch.ones(n, device=device), None
+    n2 = parts[0].n2
+    for b in parts[1:]:
         n2 += b.n2
-        err += b.err
-        under += b.under
-    bound = n2.sqrt_().mul_(1.0 + GAMMA64).add_(err)
-    factor = (clip / (1.0 + 4 * U32)) / bound  # bound 0: inf, then 1
+    rel = max(b.rel for b in parts) + (gamma(len(parts)) if n2.dtype != torch.float64 else GAMMA64)
+    room = clip - sum(b.slack for b in parts) - math.sqrt(sum(b.floor for b in parts))
+    c = max(room, 0.0) / ((1.0 + rel) * (1.0 + 8 * U32))
+    errs = [b.err for b in parts if b.err is not None]
+    if errs:
+        bound = n2.sqrt_()
+        for e in errs:
+            bound += e
+        factor = bound.reciprocal_().mul_(c)
+    else:
+        factor = n2.rsqrt_().mul_(c)
     factor.clamp_(max=1.0)
-    exact = ~(factor >= TINY_FACTOR) | (under > clip * 2.0 ** -30)  # NaN factor (inf/NaN bound) lands here too
-    rows = exact if bool(exact.any()) else None
-    factor = factor.float()
-    return (factor if rows is None else factor.masked_fill_(rows, 0.0)), rows
+    ok = factor >= TINY_FACTOR  # False for NaN (an inf/NaN bound) and for factors float32 would scale inexactly
+    if bool(ok.all()):
+        return factor.float() if factor.dtype != torch.float32 else factor, None
+    rows = ~ok
+    return factor.masked_fill_(rows, 0.0).float(), rows
 
 
 def zero_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.clipping.bound import UNDERFLOW, U64, Bound, gamma, row_norms, squares
+from workbench.clipping.bound import SUBNORMAL, UNDERFLOW, U32, U64, Bound, gamma, norms, norms_rel, squares
 
 Calls = list[tuple[torch.Tensor, torch.Tensor]]  # (layer input a, gradient g of its output) per call
 
@@ -125,32 +125,33 @@ class LinearRule:
     def bound(self, m, state, n):
         a, g = state
         names = trainable(m)
-        if a.dim() == 2:  # ||g_i a_i^T||^2 = ||a_i||^2 ||g_i||^2 (+ ||g_i||^2 with a bias): exact squares in float64
-            g64 = g.double()
-            gg = torch.linalg.vecdot(g64, g64)
-            n2 = gg
-            if "weight" in names:
-                a64 = a.double()
-                aa = torch.linalg.vecdot(a64, a64)
-                n2 = (aa.add_(1.0) if "bias" in names else aa).mul_(gg)
-            # one product per example and entry (no cancellation within an example): the matmul over n rows and the
-            # add into the buffer are within gamma_{n+2} of it; underflow of the scaled side times the other
-            under = UNDERFLOW * (math.sqrt(g.shape[1]) * (row_norms(a) + 1) + math.sqrt(a.shape[1]) * row_norms(g))
-            return Bound(n2, gamma(n + 2) * n2.sqrt(), under)
+        if a.dim() == 2:  # ||g_i a_i^T||^2 = ||a_i||^2 ||g_i||^2 (+ ||g_i||^2 with a bias), one product per entry
+            gg = torch.linalg.vecdot(g, g)  # float32: within gamma_d, squares lost below 2^-126 added back
+            if "weight" not in names:
+                return Bound(gg.add_(g.shape[1] * SUBNORMAL), gamma(g.shape[1] + 2) / 2 + gamma(n + 2),
+                             slack=UNDERFLOW * math.sqrt(g.shape[1]))
+            aa = torch.linalg.vecdot(a, a).add_((1.0 if "bias" in names else 0.0) + a.shape[1] * SUBNORMAL)
+            n2 = aa.mul_(gg.add_(g.shape[1] * SUBNORMAL))  # float32: inf (float64 route) past 2^128
+            # the squares' rounding (gamma_d each, halved on the norm), the add and product (3u), the matmul over n
+            # rows and the add into the buffer (gamma_{n+2}: no cancellation within one example's rank-1 term)
+            rel = (gamma(a.shape[1] + 2) + gamma(g.shape[1] + 2)) / 2 + 2 * U32 + gamma(n + 2)
+            return Bound(n2, rel, slack=UNDERFLOW * math.sqrt(m.weight.numel() + g.shape[1]))
         # sequences: per-sample gradients formed in float32 (sum over T: within gamma_T S of the exact), the clipped
-        # sum one matmul over n T rows (within gamma_{nT+2} S), S = sum_t ||g_t|| ||a_t||
+        # sum one matmul over n T rows (within gamma_{nT+2} S), S = sum_t ||g_t|| (||a_t|| + 1 with a bias)
         steps = a.shape[1]
-        gn, an = row_norms(g), row_norms(a)
-        n2 = torch.zeros(n, device=g.device, dtype=torch.float64)
-        magnitude = torch.zeros(n, device=g.device, dtype=torch.float64)
-        if "weight" in names:
-            n2 += squares(self._weights(a, g))
-            magnitude += (gn * an).sum(1)
-        if "bias" in names:
-            n2 += squares(g.sum(1))
-            magnitude += gn.sum(1)
-        under = UNDERFLOW * math.sqrt(g.shape[-1]) * (an.sum(1) + steps)
-        return Bound(n2, (gamma(steps + 1) + gamma(n * steps + 2)) * magnitude, under)
+        gn, an = norms(g), norms(a)
+        w = squares(self._weights(a, g)) if "weight" in names else None
+        b = squares(g.sum(1)) if "bias" in names else None
+        if w is None:
+            n2, rel, floor, magnitude = b.n2, b.rel, b.floor, gn.sum(1)
+        elif b is None:
+            n2, rel, floor, magnitude = w.n2, w.rel, w.floor, torch.linalg.vecdot(gn, an)
+        else:
+            n2, rel, floor = w.n2.double().add_(b.n2), max(w.rel, b.rel), w.floor + b.floor
+            magnitude = torch.linalg.vecdot(gn, an.add_(1.0))
+        scale = (gamma(steps + 1) + gamma(n * steps + 2)) * (1 + norms_rel(a.shape[-1])) * (1 + norms_rel(g.shape[-1]))
+        return Bound(n2, rel, magnitude.mul_(scale * (1 + gamma(steps + 1, U64))),
+                     UNDERFLOW * steps * math.sqrt(sum(getattr(m, k).numel() for k in names)), floor)
 
     def add_clipped(self, m, state, factor, view_of):
         a, g = state
@@ -211,11 +212,13 @@ class EmbeddingRule:
         summed.index_add_(0, which, g.reshape(-1, g.shape[-1]).double())  # float64: repeats may cancel
         n2 = torch.zeros(n, device=g.device, dtype=torch.float64).index_add_(
             0, torch.div(pairs, m.num_embeddings, rounding_mode="floor"), torch.linalg.vecdot(summed, summed))
-        # the float64 sums of an example's repeats (gamma64_T S), the index_add_ over the n T rows (gamma_{nT+2} S)
+        # the float64 sums of an example's repeats (gamma64_T S), the index_add_ over the n T rows (gamma_{nT+2} S);
+        # no product after the scaling: subnormal rounding moves each entry by at most 2^-149
         steps = g.shape[1]
-        magnitude = row_norms(g).sum(1)
-        under = UNDERFLOW * math.sqrt(g[0].numel())
-        return Bound(n2, (gamma(steps, U64) + gamma(n * steps + 2)) * magnitude, under)
+        magnitude = norms(g).sum(1)
+        scale = (1 + norms_rel(g.shape[-1])) * (1 + gamma(steps, U64))
+        return Bound(n2, 0.0, magnitude.mul_((gamma(steps, U64) + gamma(n * steps + 2)) * scale),
+                     2.0 ** -149 * math.sqrt(g[0].numel()))
 
     def add_clipped(self, m, state, factor, view_of):
         idx, g = state
@@ -309,18 +312,17 @@ class ConvRule:
         g0 = state[0][2]
         n2 = torch.zeros(n, device=g0.device, dtype=torch.float64)
         lengths = sum(math.prod(g.shape[2:]) for _, _, g in state)
-        gn = torch.cat([row_norms(g.flatten(2).transpose(1, 2)) for _, _, g in state], 1)  # (n, L) ||g_l||
+        gn = torch.cat([norms(g.flatten(2).transpose(1, 2)) for _, _, g in state], 1)  # (n, L) ||g_l||
         kernel = gamma(n * lengths + 2)
         err = torch.zeros(n, device=g0.device, dtype=torch.float64)
-        under = torch.zeros(n, device=g0.device, dtype=torch.float64)
+        rel, floor = 0.0, 0.0
         if "weight" in names:
             patches = torch.cat([self._patch_norms(m, x, padding) for x, padding, _ in state], 1)
-            magnitude = (gn * patches).sum(1)
+            magnitude = torch.linalg.vecdot(gn, patches).mul_((1 + norms_rel(m.out_channels)) * (1 + gamma(lengths, U64)))
             gram = self.use_gram(m, lengths)
             p = m.in_channels // m.groups * math.prod(m.kernel_size)
             formed = math.sqrt(gamma(p + m.out_channels + lengths ** 2 + 2, U64)) if gram else gamma(lengths + 1)
             err += (formed + kernel) * magnitude
-            under += UNDERFLOW * math.sqrt(m.out_channels) * patches.sum(1)
             # chunks of examples bound the memory of patches, Gram matrices and per-sample gradients
             per = m.groups * lengths * (lengths if gram else 1) + m.in_channels * math.prod(m.kernel_size) * lengths \
                 + m.weight.numel()
@@ -333,13 +335,16 @@ class ConvRule:
                     g = g.to(torch.float64)
                     n2[s:s + step] = (u.transpose(-1, -2) @ u).mul_(g.transpose(-1, -2) @ g).sum((1, 2, 3)).clamp_(min=0)
                 else:
-                    n2[s:s + step] = squares(sum(self._weight_grad(m, x, padding, g, len(g)).view(len(g), -1)
-                                                 for x, padding, g in chunk))
+                    b = squares(sum(self._weight_grad(m, x, padding, g, len(g)).view(len(g), -1) for x, padding, g in chunk))
+                    n2[s:s + step] = b.n2
+                    rel, floor = b.rel, b.floor
         if "bias" in names:
-            n2 += squares(sum(g.flatten(2).sum(-1) for _, _, g in state))
-            err += (gamma(lengths + 1) + kernel) * gn.sum(1)
-            under += UNDERFLOW * math.sqrt(m.out_channels) * lengths
-        return Bound(n2, err, under)
+            b = squares(sum(g.flatten(2).sum(-1) for _, _, g in state))
+            n2 += b.n2
+            rel, floor = max(rel, b.rel), floor + b.floor
+            err += gn.sum(1).mul_((gamma(lengths + 1) + kernel) * (1 + norms_rel(m.out_channels)) * (1 + gamma(lengths, U64)))
+        slack = UNDERFLOW * lengths * math.sqrt(sum(getattr(m, k).numel() for k in names))
+        return Bound(n2, rel, err, slack, floor)
 
     def add_clipped(self, m, state, factor, view_of):
         names = trainable(m)
