@@ -147,8 +147,8 @@ def check(s: DictConfig) -> None:
         raise WorkbenchError(f"sweep.tuning={s.tuning!r} is unknown; choose one of {', '.join(TUNINGS)}")
     if s.trials not in TRIALS:
         raise WorkbenchError(f"sweep.trials={s.trials!r} is unknown; choose one of {', '.join(TRIALS)}")
-    if not s.poisson_mean > 0:
-        raise WorkbenchError(f"sweep.poisson_mean must be > 0, got {s.poisson_mean}")
+    if not s.poisson_mean >= 1:  # Theorem 6's log(mu) term is negative below 1 (config.validate says why)
+        raise WorkbenchError(f"sweep.poisson_mean must be >= 1, got {s.poisson_mean}")
     if not (s.tnb_eta > -1 and 0 < s.tnb_gamma < 1):
         raise WorkbenchError(f"sweep.tnb_eta must be > -1 and sweep.tnb_gamma in (0, 1), got {s.tnb_eta}, {s.tnb_gamma}")
     for metric, mode in s.metrics.items():
