@@ -58,10 +58,10 @@ MUTANTS = (
             "tests/test_data.py::test_pairs_of_examples_are_included_together_q_squared_of_the_time")),
     Mutant("accountant-q-of-other-shard-mode", "the accountant gets the other shard mode's q (per_rank: B / (W N))",
            "workbench/run.py",
-           "accountant = privacy.Accountant(p.accountant, shard.sample_rate, sigma, d.world_size, cfg.ddp_shard)",
-           "accountant = privacy.Accountant(p.accountant, data.train_shard(n, d.rank, d.world_size, 'global' if "
-           "cfg.ddp_shard == 'per_rank' else 'per_rank', cfg.per_device_train_batch_size).sample_rate, sigma, "
-           "d.world_size, cfg.ddp_shard)",
+           "accountant = privacy.Accountant(p.accountant, shard.sample_rate, sigma, world_size, cfg.ddp_shard)",
+           "accountant = privacy.Accountant(p.accountant, data.train_shard(shard.population, 0, world_size, 'global' "
+           "if cfg.ddp_shard == 'per_rank' else 'per_rank', cfg.per_device_train_batch_size).sample_rate, sigma, "
+           "world_size, cfg.ddp_shard)",
            ("tests/test_distributed.py::test_parameters_stay_identical_and_only_rank_zero_tracks",)),
     Mutant("clip-per-layer", "each parameter's per-example gradient is clipped to C on its own, not the whole flat one",
            "workbench/clipping/opacus_modes.py", "view.view(-1).addmv_(gs.t(), factor.to(gs.dtype))",
@@ -96,7 +96,7 @@ MUTANTS = (
            "workbench/tracking.py", 'return _SECRET_OVERRIDE.sub(r"\\1<redacted>", text)', "return text",
            ("tests/test_tracking.py::test_secrets_never_reach_mlflow",)),
     Mutant("budget-stop-ignored", "a run with fixed sigma takes all planned steps past target_epsilon",
-           "workbench/run.py", "                total_steps = budget\n", "                pass\n",
+           "workbench/run.py", "            total_steps = budget\n", "            pass\n",
            ("tests/test_privacy.py::test_a_run_with_fixed_noise_stops_at_the_budget",)),
     Mutant("resume-draws-a-fresh-secret", "a resumed unpinned run ignores its checkpoint's secret",
            "workbench/run.py", 'secret = state["secret"]', "secret = secret",

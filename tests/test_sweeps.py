@@ -5,14 +5,16 @@ import csv
 import math
 import multiprocessing as mp
 import warnings
+from types import SimpleNamespace
 
 import dp_accounting
 import pytest
 from mlflow import MlflowClient
+from omegaconf import OmegaConf
 from scipy.stats import norm
 
 from tests.conftest import run_cli
-from workbench import compose, explore, sweep
+from workbench import compose, explore, run, sweep
 from workbench.privacy import Accountant
 
 
@@ -252,28 +254,37 @@ def test_random_stopping_sweep_trains_the_drawn_trials_and_reports_the_bound(tmp
     m = parents[0].data.metrics
     assert m["sweep_epsilon_best"] > max(c.data.metrics["epsilon"] for c in children)
     runs = [(Accountant("pld", c.data.metrics["sample_rate"], c.data.metrics["noise_multiplier"]), 20) for c in children]
-    assert m["sweep_epsilon_best"] == pytest.approx(sweep.random_stopping_epsilon(
-        runs, m["sweep_delta"], "truncated_negative_binomial", eta=1, gamma=0.5))
-    assert "never drawn" not in parents[0].data.tags.get("sweep_notes", "")  # learning rates: one mechanism
+    args = (m["sweep_delta"], "truncated_negative_binomial", 3.0, 1, 0.5)
+    assert m["sweep_epsilon_best_rdp"] == pytest.approx(sweep.random_stopping_epsilon(runs, *args))
+    assert m["sweep_epsilon_best_profile"] == pytest.approx(sweep.profile_epsilon(runs, *args))
+    assert m["sweep_epsilon_best"] == min(m["sweep_epsilon_best_rdp"], m["sweep_epsilon_best_profile"])
+    assert "sweep_notes" not in parents[0].data.tags  # learning rates: one mechanism, every point bounded
 
 
-def test_random_stopping_warns_when_an_undrawn_point_could_cost_more(tmp_path, monkeypatch):
+def test_random_stopping_bounds_every_point_of_the_grid_drawn_or_not(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     common = ["experiment=quick", "disable_tqdm=true", f"tracking.uri={uri}", "sweep.tuning=random_stopping",
               "sweep.trials=poisson", "sweep.poisson_mean=1"]
     points = [["privacy.target_epsilon=1"], ["privacy.target_epsilon=8"]]
-    seed = next(i for i in range(100) if _draws(common, points, i, tmp_path) == [1, 0])  # only epsilon 1 is trained
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        explore.sweep(points, [*common, f"sweep.seed={seed}"], sweep_dir=tmp_path / "sweep")
-    assert any("1 point(s) were never drawn" in str(w.message) and "privacy.target_epsilon" in str(w.message)
-               for w in caught)
-
-
-def _draws(common, points, seed, tmp_path):
-    cfg = compose([*common, f"sweep.seed={seed}", "tracking.enabled=false"])
-    return sweep.start(cfg, tmp_path / f"draw{seed}", points)["trials"]
+    s = OmegaConf.to_container(compose(common).sweep)
+    seed = next(i for i in range(1000) if sweep.draw(SimpleNamespace(**{**s, "seed": i}), 2) == [1, 0])  # only eps 1
+    parent = explore.sweep(points, [*common, f"sweep.seed={seed}"], sweep_dir=tmp_path / "sweep")
+    _, _, children = _sweep_runs(uri)
+    assert [c.data.params["privacy.target_epsilon"] for c in children] == ["1.0"]
+    m = MlflowClient(uri).get_run(parent).data.metrics
+    # The epsilon-8 point never trained, yet the bound is that of the grid's worst point, built from its config.
+    eight = compose([*common, *points[1]])
+    worst = run.planned_mechanism(eight)
+    mechanism = [(Accountant("pld", worst["sample_rate"], worst["noise_multiplier"]), worst["planned_steps"])]
+    args = (m["sweep_delta"], "poisson", 1.0)
+    assert m["sweep_epsilon_best_rdp"] == pytest.approx(sweep.random_stopping_epsilon(mechanism, *args), rel=1e-9)
+    assert m["sweep_epsilon_best_profile"] == pytest.approx(sweep.profile_epsilon(mechanism, *args), rel=1e-9)
+    assert m["sweep_epsilon_best"] == min(m["sweep_epsilon_best_rdp"], m["sweep_epsilon_best_profile"])
+    assert m["sweep_epsilon_best"] > 8.0  # more than the worst point's own epsilon, not the trained point's 1
+    trained = [(Accountant("pld", children[0].data.metrics["sample_rate"],
+                           children[0].data.metrics["noise_multiplier"]), 20)]
+    assert m["sweep_epsilon_best"] > sweep.random_stopping_epsilon(trained, *args) + 3
 
 
 def test_points_on_different_data_warn_that_the_bound_does_not_apply(tmp_path, monkeypatch):
