@@ -101,6 +101,17 @@ MUTANTS = (
     Mutant("resume-draws-a-fresh-secret", "a resumed unpinned run ignores its checkpoint's secret",
            "workbench/run.py", 'secret = state["secret"]', "secret = secret",
            ("tests/test_resume.py::test_an_unpinned_run_resumes_with_the_secret_of_its_checkpoint",)),
+    Mutant("poisson-mean-below-one-accepted", "random stopping with a Poisson mean below 1 runs, and its bound's "
+           "log(mu) term publishes less than one run's epsilon", "workbench/config.py",
+           "not isinstance(mu, bool) and mu < 1:", "not isinstance(mu, bool) and mu < 0:",
+           ("tests/test_bad_input.py::test_bad_input_is_one_line_before_any_run_or_folder[sweep.poisson_mean=0.5]",)),
+    Mutant("only-drawn-points-bounded", "sweep_epsilon_best covers only the points that were drawn, not every point "
+           "that could have been", "workbench/sweep.py", "    for c in candidates:\n",
+           "    for c in [c for c, n in zip(candidates, state['trials']) if n]:\n",
+           ("tests/test_sweeps.py::test_random_stopping_bounds_every_point_of_the_grid_drawn_or_not",)),
+    Mutant("profile-bound-without-second-term", "the profile bound drops the term for how the best is chosen",
+           "workbench/selection.py", "math.exp(e1) * second <= room", "0 * second <= room",
+           ("tests/test_sweeps.py::test_the_profile_bound_is_never_below_the_exact_selection_privacy_of_a_toy",)),
 )
 
 

@@ -92,7 +92,7 @@ KINDS = [
     (["launcher.max_num_timeout=-1"], "launcher.max_num_timeout must be >= 0"),
     (["audit.canaries=0"], "audit.canaries must be >= 1"),
     (["audit.significance=1"], "audit.significance must be in (0, 1)"),
-    (["sweep.poisson_mean=inf"], "sweep.poisson_mean must be a finite number >= 1, got inf"),
+    (["sweep.poisson_mean=inf"], "sweep.poisson_mean must be a finite number >= 0, got inf"),
     (["sweep.poisson_mean=0.5"], "sweep.poisson_mean must be >= 1, got 0.5: Papernot & Steinke"),
     (["sweep.poisson_mean=0"], "sweep.poisson_mean must be >= 1, got 0"),
     (["sweep.poisson_mean=-2"], "sweep.poisson_mean must be >= 1, got -2"),
