@@ -18,6 +18,10 @@ What a sweep costs, every point having trained on the same private data (add-or-
   trial; :func:`random_stopping_epsilon` converts that RDP curve to (epsilon, delta)-DP with ``dp_accounting``'s
   conversion (Canonne, Kamath & Steinke 2020, Prop. 12). One trial is a random choice among the points, so its RDP
   is at most the worst point's (Renyi divergence is quasi-convex) and its delta_hat at most the worst point's.
+  "The points" are every point of the grid, drawn or not (which are drawn is itself random): the driver builds each
+  one's mechanism from its config before anything trains (``candidates`` in the sweep file). The parent reports
+  this bound as ``sweep_epsilon_best_rdp``, the privacy-profile bound of workbench/selection.py as
+  ``sweep_epsilon_best_profile``, and the smaller of the two (both valid) as ``sweep_epsilon_best``.
 """
 
 from __future__ import annotations
