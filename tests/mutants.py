@@ -60,10 +60,10 @@ MUTANTS = (
             "tests/test_data.py::test_pairs_of_examples_are_included_together_q_squared_of_the_time")),
     Mutant("accountant-q-of-other-shard-mode", "the accountant gets the other shard mode's q (per_rank: B / (W N))",
            "workbench/run.py",
-           "accountant = privacy.Accountant(p.accountant, shard.sample_rate, sigma, d.world_size, cfg.ddp_shard)",
-           "accountant = privacy.Accountant(p.accountant, data.train_shard(n, d.rank, d.world_size, 'global' if "
-           "cfg.ddp_shard == 'per_rank' else 'per_rank', cfg.per_device_train_batch_size).sample_rate, sigma, "
-           "d.world_size, cfg.ddp_shard)",
+           "accountant = privacy.Accountant(p.accountant, shard.sample_rate, sigma, world_size, cfg.ddp_shard)",
+           "accountant = privacy.Accountant(p.accountant, data.train_shard(shard.population, 0, world_size, 'global' "
+           "if cfg.ddp_shard == 'per_rank' else 'per_rank', cfg.per_device_train_batch_size).sample_rate, sigma, "
+           "world_size, cfg.ddp_shard)",
            ("tests/test_distributed.py::test_parameters_stay_identical_and_only_rank_zero_tracks",)),
     Mutant("clip-per-layer", "each parameter's per-example gradient is clipped to C on its own, not the whole flat one",
            "workbench/clipping/opacus_modes.py", "zero_rows(gs, rows)).t(), factor.to(gs.dtype))",
@@ -123,11 +123,22 @@ MUTANTS = (
            "workbench/tracking.py", 'return _SECRET_OVERRIDE.sub(r"\\1<redacted>", text)', "return text",
            ("tests/test_tracking.py::test_secrets_never_reach_mlflow",)),
     Mutant("budget-stop-ignored", "a run with fixed sigma takes all planned steps past target_epsilon",
-           "workbench/run.py", "                total_steps = budget\n", "                pass\n",
+           "workbench/run.py", "            total_steps = budget\n", "            pass\n",
            ("tests/test_privacy.py::test_a_run_with_fixed_noise_stops_at_the_budget",)),
     Mutant("resume-draws-a-fresh-secret", "a resumed unpinned run ignores its checkpoint's secret",
            "workbench/run.py", 'secret = state["secret"]', "secret = secret",
            ("tests/test_resume.py::test_an_unpinned_run_resumes_with_the_secret_of_its_checkpoint",)),
+    Mutant("poisson-mean-below-one-accepted", "random stopping with a Poisson mean below 1 runs, and its bound's "
+           "log(mu) term publishes less than one run's epsilon", "workbench/config.py",
+           "not isinstance(mu, bool) and mu < 1:", "not isinstance(mu, bool) and mu < 0:",
+           ("tests/test_bad_input.py::test_bad_input_is_one_line_before_any_run_or_folder[sweep.poisson_mean=0.5]",)),
+    Mutant("only-drawn-points-bounded", "sweep_epsilon_best covers only the points that were drawn, not every point "
+           "that could have been", "workbench/sweep.py", "    for c in candidates:\n",
+           "    for c in [c for c, n in zip(candidates, state['trials']) if n]:\n",
+           ("tests/test_sweeps.py::test_random_stopping_bounds_every_point_of_the_grid_drawn_or_not",)),
+    Mutant("profile-bound-without-second-term", "the profile bound drops the term for how the best is chosen",
+           "workbench/selection.py", "math.exp(e1) * second <= room", "0 * second <= room",
+           ("tests/test_sweeps.py::test_the_profile_bound_is_never_below_the_exact_selection_privacy_of_a_toy",)),
 )
 
 

@@ -92,7 +92,11 @@ KINDS = [
     (["launcher.max_num_timeout=-1"], "launcher.max_num_timeout must be >= 0"),
     (["audit.canaries=0"], "audit.canaries must be >= 1"),
     (["audit.significance=1"], "audit.significance must be in (0, 1)"),
-    (["sweep.poisson_mean=inf"], "sweep.poisson_mean must be a finite number > 0, got inf"),
+    (["sweep.poisson_mean=inf"], "sweep.poisson_mean must be a finite number >= 0, got inf"),
+    (["sweep.poisson_mean=0.5"], "sweep.poisson_mean must be >= 1, got 0.5: Papernot & Steinke"),
+    (["sweep.poisson_mean=0"], "sweep.poisson_mean must be >= 1, got 0"),
+    (["sweep.poisson_mean=-2"], "sweep.poisson_mean must be >= 1, got -2"),
+    (["sweep.tnb_eta=-1"], "sweep.tnb_eta must be > -1"),
     (["sweep.tnb_gamma=1"], "sweep.tnb_gamma must be in (0, 1)"),
     (["fp16_loss_scale=65536"], "fp16_loss_scale must be in (0, 32768]"),
     # Names, refused knobs, cross-field rules, interpolations.
@@ -173,6 +177,8 @@ def test_bad_input_is_one_line_before_any_run_or_folder(tmp_path, args, message)
     (["tracking.uri=${oc.env:WB_NO_SUCH_VARIABLE}"], "Environment variable 'WB_NO_SUCH_VARIABLE' not found"),
     (["-m", "seed=1,99999999999999999999999"], "seed must be in [0, 4294967295]"),
     (["experiment=quick", "data.train.in_features=32"], "example 0 does not fit the model"),
+    (["-m", "sweep.tuning=random_stopping", "sweep.trials=poisson", "sweep.poisson_mean=0.5", "seed=0,1"],
+     "sweep.poisson_mean must be >= 1, got 0.5"),
 ])
 def test_cli_refuses_in_one_line_with_exit_2_and_leaves_nothing(tmp_path, args, message):
     proc = run_cli(*args, cwd=tmp_path, timeout=120)

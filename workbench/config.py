@@ -232,7 +232,7 @@ RANGES = {
     "privacy.noise_multiplier": Range(0), "privacy.max_grad_norm": Range(0, low_open=True),
     "privacy.secure_seed": Range(0, 2**63 - 1),
     "audit.canaries": Range(1), "audit.significance": Range(0, 1, low_open=True, high_open=True),
-    "sweep.poisson_mean": Range(0, low_open=True), "sweep.tnb_eta": Range(-1, low_open=True),
+    "sweep.poisson_mean": Range(0), "sweep.tnb_eta": Range(-1, low_open=True),
     "sweep.tnb_gamma": Range(0, 1, low_open=True, high_open=True), "sweep.seed": Range(0, SEED_MAX),
     "launcher.nprocs": Range(1), "launcher.nodes": Range(1), "launcher.gpus_per_node": Range(0),
     "launcher.tasks_per_node": Range(1), "launcher.cpus_per_task": Range(1), "launcher.mem_gb": Range(0, low_open=True),
@@ -300,6 +300,15 @@ def _check_ranges(cfg: DictConfig) -> None:
             raise WorkbenchError(f"{name} must be {allowed.describe()}, got {value}")
 
 
+def _check_sweep(cfg: DictConfig) -> None:
+    """Random stopping's K must be in the range of the theorems that bound it (workbench/sweep.py)."""
+    mu = OmegaConf.select(cfg, "sweep.poisson_mean")
+    if isinstance(mu, (int, float)) and not isinstance(mu, bool) and mu < 1:
+        # Papernot & Steinke's Theorem 6 has a log(mu) term: below 1 it would make the bound smaller than one run's.
+        raise WorkbenchError(f"sweep.poisson_mean must be >= 1, got {mu}: Papernot & Steinke's Poisson bound "
+                             "(Theorem 6) holds for a mean of at least 1 (below, its log(mu) term is negative)")
+
+
 def validate(cfg: DictConfig) -> None:
     """Check keys, values and cross-field rules. Raises WorkbenchError (one line) on the first problem."""
     check_keys(cfg)
@@ -310,6 +319,7 @@ def validate(cfg: DictConfig) -> None:
                 f"{knob} is refused: it conflicts with Poisson sampling, which draws every batch itself "
                 "(the privacy accounting depends on it); remove the setting"
             )
+    _check_sweep(cfg)
     _check_ranges(cfg)
     if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
         raise WorkbenchError(f"set max_steps > 0 or num_train_epochs > 0 (got {cfg.max_steps}, {cfg.num_train_epochs})")

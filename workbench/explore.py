@@ -87,7 +87,8 @@ def sweep(points: Sequence[Sequence[str]] = DEFAULT_SWEEP, overrides: Sequence[s
     from workbench import compose, sweep as sweeps, train
 
     root = Path(sweep_dir or Path("multirun") / time.strftime("%Y-%m-%d/%H-%M-%S")).resolve()
-    state = sweeps.start(compose(list(overrides)), root, points=points)
+    state = sweeps.start(compose(list(overrides)), root, points=points,
+                         compose_point=lambda point: compose([*overrides, *point]))
     try:
         for i, point in enumerate(points):
             for trial in range(sweeps.trials_for_point(root, i)):

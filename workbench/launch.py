@@ -101,7 +101,7 @@ def _executor(cfg: DictConfig, folder: Path):
 
     lc = cfg.launcher
     if lc.name == "local":
-        nprocs = lc.nprocs or _local_gpus() or 2
+        nprocs = planned_world_size(cfg)
         executor = submitit.LocalExecutor(folder=str(folder))
         executor.update_parameters(tasks_per_node=nprocs, nodes=1, timeout_min=lc.timeout_min,
                                    gpus_per_node=_local_gpus() and nprocs)
@@ -109,7 +109,7 @@ def _executor(cfg: DictConfig, folder: Path):
     if shutil.which("sbatch") is None:
         raise WorkbenchError("launcher=slurm needs SLURM's sbatch on PATH, and there is none on this machine; "
                              "use launcher=local or launcher=inline")
-    tasks = lc.tasks_per_node or (lc.gpus_per_node if lc.gpus_per_node else 1)
+    tasks = _slurm_tasks_per_node(lc)
     executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=lc.max_num_timeout)
     params: dict[str, Any] = dict(nodes=lc.nodes, ntasks_per_node=tasks, time=lc.timeout_min,
                                   setup=list(lc.setup), additional_parameters=dict(lc.additional_parameters),
@@ -125,6 +125,20 @@ def _executor(cfg: DictConfig, folder: Path):
             params[key] = lc[key]
     executor.update_parameters(**params)
     return executor
+
+
+def _slurm_tasks_per_node(lc: DictConfig) -> int:
+    return lc.tasks_per_node or (lc.gpus_per_node if lc.gpus_per_node else 1)
+
+
+def planned_world_size(cfg: DictConfig) -> int:
+    """The number of processes the launcher starts for one job (a sweep bounds its points with it before they run)."""
+    lc = cfg.launcher
+    if lc.name == "local":
+        return lc.nprocs or _local_gpus() or 2
+    if lc.name == "slurm":
+        return lc.nodes * _slurm_tasks_per_node(lc)
+    return int(os.environ.get("WORLD_SIZE", "1"))  # inline: this process, or the group torchrun/srun started
 
 
 def _local_gpus() -> int:

@@ -126,10 +126,8 @@ def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | 
         tracker.start({**tags, "status": "running"}, run_id=job["resume_run_id"] or cfg.tracking.run_id,
                       sweep_dir=cfg.tracking.sweep_dir)
         if job["accountant"] is not None:  # what a sweep composes, known even if the run fails before its summary
-            a = job["accountant"]
-            tracker.set_tags({"workbench.dp_event": json.dumps(dict(
-                sample_rate=a.sample_rate, noise_multiplier=a.noise_multiplier, world_size=a.world_size, shard=a.shard,
-                planned_steps=job["total_steps"], delta=job["delta"]))})
+            tracker.set_tags({"workbench.dp_event": json.dumps(dp_event_fields(job["accountant"], job["total_steps"],
+                                                                               job["delta"]))})
         run_id = d.broadcast_object(tracker.run_id)
         _settle_heap()
         result = _fit(cfg, d, job, tracker, run_id, output_dir)
@@ -152,6 +150,84 @@ def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | 
         distributed.teardown(d)
         if tracker is not None and tracker.run_id and cfg.tracking.sweep_dir:
             _sweep_point_ended(cfg.tracking.sweep_dir)
+
+
+def training_sets(cfg: DictConfig) -> tuple[Any, Any, Any]:
+    """The user's training set, the one trained on (with the audit's canary slots, which join the population: N and q
+    count them whatever their membership) and the audit (or None)."""
+    train_set = _instantiate(config.own_arguments(cfg, "data.train"), "data.train")
+    if not cfg.audit.enabled:
+        return train_set, train_set, None
+    if cfg.resume_from_checkpoint:
+        raise WorkbenchError("audit=canaries cannot resume a run yet (its observers start at step 0)")
+    from workbench.canaries import CanaryAudit
+
+    canaries = CanaryAudit(cfg.audit.canaries, train_set, cfg.audit.significance)
+    return train_set, canaries.dataset, canaries
+
+
+def planned_steps(cfg: DictConfig, population: int, world_size: int) -> int:
+    expected_batch = cfg.per_device_train_batch_size * world_size
+    total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * population / expected_batch)
+    if total_steps > config.STEPS_MAX:
+        raise WorkbenchError(f"num_train_epochs={cfg.num_train_epochs} makes {total_steps} steps, more than "
+                             f"{config.STEPS_MAX}; lower it or set max_steps")
+    return total_steps
+
+
+def privacy_plan(cfg: DictConfig, shard: data.Shard, world_size: int, total_steps: int):
+    """(accountant, delta, sigma, steps, warnings) of a run: the one place that turns a config into its DP mechanism,
+    for the run itself and for a sweep that bounds its candidates before any trains (workbench/sweep.py). Without
+    privacy: (None, None, 0.0, total_steps, [])."""
+    p = cfg.privacy
+    if not p.enabled:
+        return None, None, 0.0, total_steps, []
+    delta = p.target_delta if p.target_delta is not None else privacy.default_delta(shard.population)
+    notes = privacy.validate_privacy_args(p.target_epsilon, delta, p.noise_multiplier, p.max_grad_norm,
+                                         shard.population)
+    if p.noise_multiplier == 0:
+        raise WorkbenchError("privacy.noise_multiplier=0 gives no privacy; use privacy.enabled=false for a non-private run")
+    sigma = p.noise_multiplier if p.noise_multiplier is not None else cache.cached(
+        "calibrate_noise", lambda: privacy.calibrate_noise(p.accountant, shard.sample_rate, total_steps,
+                                                           p.target_epsilon, delta, world_size, cfg.ddp_shard),
+        kind=p.accountant, sample_rate=shard.sample_rate, steps=total_steps, target_epsilon=p.target_epsilon,
+        delta=delta, world_size=world_size, shard=cfg.ddp_shard, code=privacy.code_version())
+    accountant = privacy.Accountant(p.accountant, shard.sample_rate, sigma, world_size, cfg.ddp_shard)
+    if p.target_epsilon is not None:
+        budget = cache.cached("max_steps", lambda: accountant.max_steps(p.target_epsilon, delta, total_steps),
+                              accountant=accountant.state_dict(), target_epsilon=p.target_epsilon, delta=delta,
+                              upper=total_steps, code=privacy.code_version())
+        if budget == 0:
+            raise WorkbenchError(f"privacy.target_epsilon={p.target_epsilon} is exceeded by the first step at "
+                                 f"noise_multiplier={sigma}; raise the noise or the target")
+        if budget < total_steps:
+            notes.append(f"the run stops after {budget} of {total_steps} steps: one more would exceed "
+                         f"target_epsilon={p.target_epsilon}")
+            total_steps = budget
+    return accountant, delta, sigma, total_steps, notes
+
+
+def planned_mechanism(cfg: DictConfig) -> dict[str, Any]:
+    """What a run of `cfg` would spend, from its config alone (the training set is built for its size, nothing
+    trains): the fields of its ``workbench.dp_event`` tag, or ``{"private": False}``. The world size is the one its
+    launcher asks for. Raises WorkbenchError when the run would be refused."""
+    from workbench.launch import planned_world_size
+
+    world_size = planned_world_size(cfg)
+    _, train_set, _ = training_sets(cfg)
+    shard = data.train_shard(data.check_dataset(train_set, "training"), 0, world_size, cfg.ddp_shard,
+                             cfg.per_device_train_batch_size)
+    accountant, delta, _, steps, _ = privacy_plan(cfg, shard, world_size, planned_steps(cfg, shard.population, world_size))
+    if accountant is None:
+        return {"private": False}
+    return dp_event_fields(accountant, steps, delta)
+
+
+def dp_event_fields(accountant: privacy.Accountant, steps: int, delta: float) -> dict[str, Any]:
+    """A run's mechanism as its ``workbench.dp_event`` tag records it (read back by workbench/sweep.py)."""
+    a = accountant
+    return dict(sample_rate=a.sample_rate, noise_multiplier=a.noise_multiplier, world_size=a.world_size, shard=a.shard,
+                planned_steps=steps, delta=delta)
 
 
 def _settle_heap() -> None:
@@ -197,15 +273,7 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
     """Everything that can be refused is built here, before an MLflow run exists."""
     torch.manual_seed(cfg.seed)
     autocast_dtype = _autocast_dtype(cfg, d.device)
-    train_set = user_train_set = _instantiate(config.own_arguments(cfg, "data.train"), "data.train")
-    canaries = None
-    if cfg.audit.enabled:  # the canary slots join the population: N and q count them whatever their membership
-        if cfg.resume_from_checkpoint:
-            raise WorkbenchError("audit=canaries cannot resume a run yet (its observers start at step 0)")
-        from workbench.canaries import CanaryAudit
-
-        canaries = CanaryAudit(cfg.audit.canaries, train_set, cfg.audit.significance)
-        train_set = canaries.dataset
+    user_train_set, train_set, canaries = training_sets(cfg)
     user_callbacks = [*(_instantiate(c, "callbacks") for c in cfg.callbacks), *extra_callbacks]
     callbacks_.check(user_callbacks)
     eval_set = _instantiate(config.own_arguments(cfg, "data.eval"), "data.eval") if cfg.data.get("eval") is not None else None
@@ -219,10 +287,7 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
         warnings.warn(f"ddp_shard=per_rank drops {shard.dropped} of {n} training examples so that "
                       f"{d.world_size} ranks get equal shards ({shard.population} used)", stacklevel=1)
     expected_batch = cfg.per_device_train_batch_size * d.world_size
-    total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * shard.population / expected_batch)
-    if total_steps > config.STEPS_MAX:
-        raise WorkbenchError(f"num_train_epochs={cfg.num_train_epochs} makes {total_steps} steps, more than "
-                             f"{config.STEPS_MAX}; lower it or set max_steps")
+    total_steps = planned_steps(cfg, shard.population, d.world_size)
 
     model = _instantiate(config.own_arguments(cfg, "model"), "model")
     if not isinstance(model, nn.Module):
@@ -246,32 +311,9 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
                                   criterion, d.device, collator)
 
     p = cfg.privacy
-    accountant = delta = None
-    sigma = 0.0
-    if p.enabled:
-        delta = p.target_delta if p.target_delta is not None else privacy.default_delta(shard.population)
-        for message in privacy.validate_privacy_args(p.target_epsilon, delta, p.noise_multiplier, p.max_grad_norm,
-                                                     shard.population):
-            warnings.warn(message, stacklevel=1)
-        if p.noise_multiplier == 0:
-            raise WorkbenchError("privacy.noise_multiplier=0 gives no privacy; use privacy.enabled=false for a non-private run")
-        sigma = p.noise_multiplier if p.noise_multiplier is not None else cache.cached(
-            "calibrate_noise", lambda: privacy.calibrate_noise(p.accountant, shard.sample_rate, total_steps,
-                                                               p.target_epsilon, delta, d.world_size, cfg.ddp_shard),
-            kind=p.accountant, sample_rate=shard.sample_rate, steps=total_steps, target_epsilon=p.target_epsilon,
-            delta=delta, world_size=d.world_size, shard=cfg.ddp_shard, code=privacy.code_version())
-        accountant = privacy.Accountant(p.accountant, shard.sample_rate, sigma, d.world_size, cfg.ddp_shard)
-        if p.target_epsilon is not None:
-            budget = cache.cached("max_steps", lambda: accountant.max_steps(p.target_epsilon, delta, total_steps),
-                                  accountant=accountant.state_dict(), target_epsilon=p.target_epsilon, delta=delta,
-                                  upper=total_steps, code=privacy.code_version())
-            if budget == 0:
-                raise WorkbenchError(f"privacy.target_epsilon={p.target_epsilon} is exceeded by the first step at "
-                                     f"noise_multiplier={sigma}; raise the noise or the target")
-            if budget < total_steps:
-                warnings.warn(f"the run stops after {budget} of {total_steps} steps: one more would exceed "
-                              f"target_epsilon={p.target_epsilon}", stacklevel=1)
-                total_steps = budget
+    accountant, delta, sigma, total_steps, notes = privacy_plan(cfg, shard, d.world_size, total_steps)
+    for message in notes:
+        warnings.warn(message, stacklevel=1)
 
     trained, trained_criterion = canaries.wrap(model, criterion, p.max_grad_norm) if canaries else (model, criterion)
     step_fn = GradientStep(trained, trained_criterion, d, max_grad_norm=p.max_grad_norm if p.enabled else None,

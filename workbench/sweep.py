@@ -18,6 +18,10 @@ What a sweep costs, every point having trained on the same private data (add-or-
   trial; :func:`random_stopping_epsilon` converts that RDP curve to (epsilon, delta)-DP with ``dp_accounting``'s
   conversion (Canonne, Kamath & Steinke 2020, Prop. 12). One trial is a random choice among the points, so its RDP
   is at most the worst point's (Renyi divergence is quasi-convex) and its delta_hat at most the worst point's.
+  "The points" are every point of the grid, drawn or not (which are drawn is itself random): the driver builds each
+  one's mechanism from its config before anything trains (``candidates`` in the sweep file). The parent reports
+  this bound as ``sweep_epsilon_best_rdp``, the privacy-profile bound of workbench/selection.py as
+  ``sweep_epsilon_best_profile``, and the smaller of the two (both valid) as ``sweep_epsilon_best``.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import random
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from hydra.experimental.callback import Callback
@@ -98,6 +102,33 @@ def draw_trials(s: DictConfig | Any, rng: random.Random) -> int:
     return k
 
 
+def _distinct_mechanisms(runs):
+    """The runs that spend privacy, one per mechanism (a learning-rate sweep needs one computation), and the answer
+    when there is nothing to compute: inf when one has no noise, 0 when none takes a step (data never read)."""
+    runs = [(a, n) for a, n in runs if n > 0]
+    if any(a.noise_multiplier == 0 for a, _ in runs):
+        return runs, math.inf
+    if not runs:
+        return runs, 0.0
+    return list({(a.sample_rate, a.noise_multiplier, a.world_size, a.shard, n): (a, n) for a, n in runs}.values()), None
+
+
+def profile_epsilon(runs: Sequence[tuple[privacy.Accountant, int]], delta: float, trials: str,
+                    poisson_mean: float = 3.0, eta: float = 0.0, gamma: float = 0.2) -> float:
+    """Epsilon at `delta` of publishing only the best of K trials, each one of `runs`, from their privacy profiles
+    (:func:`workbench.selection.profile_epsilon`). A trial is a uniformly drawn run: its profile is at most the
+    worst run's, t by t (the hockey-stick divergence is jointly convex), and that maximum is what is used."""
+    from workbench import selection
+
+    runs, trivial = _distinct_mechanisms(runs)
+    if trivial is not None:
+        return trivial
+    plds = [a.pld(n) for a, n in runs]
+    phi_prime = selection.pgf_derivative(trials, poisson_mean, eta, gamma)
+    return selection.profile_epsilon(lambda t: np.max([p.get_delta_for_epsilon(t) for p in plds], axis=0), delta,
+                                     phi_prime)
+
+
 def random_stopping_epsilon(runs: Sequence[tuple[privacy.Accountant, int]], delta: float, trials: str,
                             poisson_mean: float = 3.0, eta: float = 0.0, gamma: float = 0.2,
                             orders: Sequence[float] = ORDERS) -> float:
@@ -112,8 +143,9 @@ def random_stopping_epsilon(runs: Sequence[tuple[privacy.Accountant, int]], delt
     then the RDP-to-(epsilon, delta) conversion of dp_accounting.rdp.compute_epsilon, minimised over lambda.
     """
     orders = np.asarray(orders, dtype=float)
-    # Points that share a mechanism (a learning-rate sweep) need one computation.
-    runs = list({(a.sample_rate, a.noise_multiplier, a.world_size, a.shard, steps): (a, steps) for a, steps in runs}.values())
+    runs, trivial = _distinct_mechanisms(runs)
+    if trivial is not None:
+        return trivial
     absl = logging.getLogger("absl")  # dp_accounting drops orders whose series does not converge, one line each
     level = absl.level
     absl.setLevel(logging.ERROR)
@@ -147,8 +179,8 @@ def check(s: DictConfig) -> None:
         raise WorkbenchError(f"sweep.tuning={s.tuning!r} is unknown; choose one of {', '.join(TUNINGS)}")
     if s.trials not in TRIALS:
         raise WorkbenchError(f"sweep.trials={s.trials!r} is unknown; choose one of {', '.join(TRIALS)}")
-    if not s.poisson_mean > 0:
-        raise WorkbenchError(f"sweep.poisson_mean must be > 0, got {s.poisson_mean}")
+    if not s.poisson_mean >= 1:  # Theorem 6's log(mu) term is negative below 1 (config.validate says why)
+        raise WorkbenchError(f"sweep.poisson_mean must be >= 1, got {s.poisson_mean}")
     if not (s.tnb_eta > -1 and 0 < s.tnb_gamma < 1):
         raise WorkbenchError(f"sweep.tnb_eta must be > -1 and sweep.tnb_gamma in (0, 1), got {s.tnb_eta}, {s.tnb_gamma}")
     for metric, mode in s.metrics.items():
@@ -169,19 +201,23 @@ def read_state(sweep_dir: str | Path) -> dict | None:
         return None
 
 
-def start(cfg: DictConfig, sweep_dir: str | Path, points: Sequence[Sequence[str]] = ()) -> dict:
+def start(cfg: DictConfig, sweep_dir: str | Path, points: Sequence[Sequence[str]] = (),
+          compose_point: Callable[[Sequence[str]], DictConfig] | None = None) -> dict:
     """Make the sweep's parent run (initialising the store first) and write it to the sweep folder. With
-    random stopping, also draw how many times each of the `points` (their overrides) is trained (``trials``)."""
+    random stopping, also draw how many times each of the `points` (their overrides) is trained (``trials``) and
+    record what every point would spend (``candidates``, from its config composed by `compose_point`, default
+    :func:`workbench.compose`): the bound for publishing the best needs all of them, drawn or not."""
     s = cfg.sweep
     check(s)
     sweep_dir = Path(sweep_dir).resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
     state: dict[str, Any] = {"sweep": OmegaConf.to_container(s, resolve=True), "parent_run_id": None}
     if s.tuning == "random_stopping" and points:
-        rng = random.Random(s.seed) if s.seed is not None else random.SystemRandom()
-        picks = [rng.randrange(len(points)) for _ in range(draw_trials(s, rng))]
-        state["trials"] = [picks.count(i) for i in range(len(points))]
+        state["trials"] = draw(s, len(points))
         state["varies"] = _varied_keys(points)
+        if compose_point is None:
+            from workbench.api import compose as compose_point
+        state["candidates"] = [{"overrides": " ".join(p), **_candidate(compose_point, p)} for p in points]
     if cfg.tracking.enabled:
         tracker = MlflowTracker(cfg)
         experiment_id = tracker._experiment_id()  # pylint: disable=protected-access
@@ -193,6 +229,24 @@ def start(cfg: DictConfig, sweep_dir: str | Path, points: Sequence[Sequence[str]
         state.update(parent_run_id=run.info.run_id, tracking_uri=tracker.uri)
     _write(sweep_dir / SWEEP_FILE, state)
     return state
+
+
+def draw(s: DictConfig | Any, points: int) -> list[int]:
+    """How many times each of `points` points is trained under random stopping: K trials, each a uniform point."""
+    rng = random.Random(s.seed) if s.seed is not None else random.SystemRandom()
+    picks = [rng.randrange(points) for _ in range(draw_trials(s, rng))]
+    return [picks.count(i) for i in range(points)]
+
+
+def _candidate(compose_point: Callable[[Sequence[str]], DictConfig], point: Sequence[str]) -> dict:
+    """A point's mechanism from its config, before anything trains (workbench.run.planned_mechanism); a point that
+    cannot be built is recorded with the reason: the bound cannot cover it."""
+    from workbench.run import planned_mechanism
+
+    try:
+        return planned_mechanism(compose_point(point))
+    except Exception as e:  # noqa: BLE001 - never a crash of the sweep: an unbounded point makes the bound infinite
+        return {"error": " ".join(f"{'' if isinstance(e, WorkbenchError) else type(e).__name__ + ': '}{e}".split())[:300]}
 
 
 def trials_for_point(sweep_dir: str | Path, point: int) -> int:
@@ -300,7 +354,7 @@ class SweepCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
-        start(config, self.sweep_dir, points=_grid(config))
+        start(config, self.sweep_dir, points=_grid(config), compose_point=lambda point: _job_config(config, point))
         atexit.register(self._end)  # a point that fails the sweep (sys.exit, exception) still gets its summary
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -314,6 +368,20 @@ class SweepCallback(Callback):
                 finish(sweep_dir)
             except Exception as e:  # noqa: BLE001 - a summary that fails must not turn a finished sweep into a failed one
                 log.warning("could not summarise the sweep in %s: %s", sweep_dir, e)
+
+
+def _job_config(config: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    """The config Hydra's launcher gives the job with these overrides (its own loader: the driver's Hydra stays as
+    it is), as workbench.compose returns it."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from workbench import config as config_
+
+    cfg = GlobalHydra.instance().config_loader().load_sweep_config(config, list(overrides))
+    config_.record_choices(cfg, cfg.hydra.runtime.choices)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
 
 
 def _grid(config: DictConfig) -> list[list[str]]:
@@ -361,30 +429,74 @@ def _cost(runs, state: dict) -> tuple[dict[str, float], list[str]]:
         events.append((privacy.Accountant("pld", e["sample_rate"], e["noise_multiplier"], e["world_size"], e["shard"]),
                        steps, e["delta"]))
         data.add(tuple(sorted((k, str(v)) for k, v in row.items() if k.startswith("params.data.train"))))
-    if not events:
+    if not events and not (state.get("candidates") and s["tuning"] == "random_stopping"):
         return {}, notes
     if len(data) > 1:
         notes.append("the points trained on different data (data.train differs): these bounds are for one dataset "
                      "and one add-or-remove-one neighbour relation shared by every point; across different datasets "
                      "one person's example is not one neighbouring change of every point, so account each dataset's "
                      "points separately")
-    delta = min(d for _, _, d in events)
-    pairs = [(a, n) for a, n, _ in events]
-    cost = {"sweep_delta": delta, "sweep_epsilon_all": composed_epsilon(pairs, delta)}
+    mechanisms, unbounded, deltas = [], [], [d for _, _, d in events]
     if s["tuning"] == "random_stopping":
+        mechanisms, unbounded, planned = _candidates(state, events, notes)
+        deltas += planned
+    cost: dict[str, float] = {}
+    if deltas:
+        cost["sweep_delta"] = delta = min(deltas)
+        if events:
+            cost["sweep_epsilon_all"] = composed_epsilon([(a, n) for a, n, _ in events], delta)
+    if s["tuning"] == "random_stopping":
+        cost.update(_best(mechanisms, unbounded, cost.get("sweep_delta"), s, notes))
+    return cost, notes
+
+
+def _candidates(state: dict, events: list, notes: list[str]):
+    """Every point a random-stopping sweep could have drawn, as (accountant, steps), and the points no bound covers
+    (not private, or not buildable): the theorems need the worst of all of them, drawn or not. A trained child whose
+    recorded mechanism no candidate covers (its world size differed from the planned one...) is added too. Returns
+    (mechanisms, unbounded points, the candidates' deltas)."""
+    candidates = state.get("candidates")
+    if candidates is None:  # a sweep started without its points: only the trained ones are known
         untried = [i for i, n in enumerate(state.get("trials") or []) if n == 0]
         varied = [k for k in state.get("varies", []) if _changes_the_mechanism(k)]
-        if untried and varied:
-            notes.append(f"random stopping: {len(untried)} point(s) were never drawn and the points differ in "
-                         f"{', '.join(varied)}: sweep_epsilon_best uses the worst mechanism among the trained points, "
-                         "while the theorem needs the worst of all points (one never drawn, with less noise or more "
-                         "steps, would raise it)")
-        try:
-            cost["sweep_epsilon_best"] = random_stopping_epsilon(pairs, delta, s["trials"], s["poisson_mean"],
-                                                                 s["tnb_eta"], s["tnb_gamma"])
-        except WorkbenchError as e:
-            notes.append(f"no random-stopping bound: {e}")
-    return cost, notes
+        unbounded = [f"{len(untried)} point(s) never drawn whose mechanism is unknown (the points differ in "
+                     f"{', '.join(varied)})"] if untried and varied else []
+        return [(a, n) for a, n, _ in events], unbounded, []
+    mechanisms, unbounded, deltas = [], [], []
+    for c in candidates:
+        if "sample_rate" in c:
+            accountant = privacy.Accountant("pld", c["sample_rate"], c["noise_multiplier"], c["world_size"], c["shard"])
+            mechanisms.append((accountant, int(c["planned_steps"])))
+            deltas.append(c["delta"])
+        else:
+            unbounded.append(f"{c['overrides']!r} ({'not private' if c.get('private') is False else c.get('error')})")
+    for a, n, _ in events:  # covered: the same mechanism planned for at least as many steps
+        if not any(_key(a) == _key(b) and n <= m for b, m in mechanisms):
+            notes.append(f"a trained point spent q={a.sample_rate:.4g} sigma={a.noise_multiplier:.4g} W={a.world_size} "
+                         f"for {n} steps, which no candidate planned: the bound includes it")
+            mechanisms.append((a, n))
+    return mechanisms, unbounded, deltas
+
+
+def _key(a: privacy.Accountant) -> tuple:
+    return (round(a.sample_rate, 12), round(a.noise_multiplier, 12), a.world_size, a.shard)
+
+
+def _best(mechanisms, unbounded: list[str], delta: float | None, s: dict, notes: list[str]) -> dict[str, float]:
+    """sweep_epsilon_best and its two bounds: Papernot & Steinke's RDP one and the privacy-profile one
+    (workbench/selection.py). Both are valid upper bounds, so the smaller is published."""
+    if unbounded or delta is None:
+        notes.append(f"random stopping: no finite bound for publishing the best: {'; '.join(unbounded)} could be "
+                     "drawn, and the bound needs every point to be differentially private")
+        return {"sweep_epsilon_best": math.inf, "sweep_epsilon_best_rdp": math.inf, "sweep_epsilon_best_profile": math.inf}
+    args = (delta, s["trials"], s["poisson_mean"], s["tnb_eta"], s["tnb_gamma"])
+    cost = {"sweep_epsilon_best_profile": profile_epsilon(mechanisms, *args)}
+    try:
+        cost["sweep_epsilon_best_rdp"] = random_stopping_epsilon(mechanisms, *args)
+    except WorkbenchError as e:  # no RDP accountant for parallel Poisson: the profile bound alone
+        notes.append(f"no RDP bound for random stopping: {e}")
+    cost["sweep_epsilon_best"] = min(cost.values())
+    return cost
 
 
 def _distinct(runs, row) -> str:
@@ -440,8 +552,11 @@ def summarise(tracker: MlflowTracker, state: dict) -> dict:
             tracker.log_figure(frontier(finished, metric), "frontier.png")
     parts = [f"sweep done: {summary['points']} points ({summary['points_finished']} FINISHED, "
              f"{summary['points_failed']} FAILED)", *best_parts]
-    if "sweep_epsilon_all" in cost:
+    if "sweep_delta" in cost:
         parts.append(", ".join(f"{k}={cost[k]:.3f}" for k in ("sweep_epsilon_all", "sweep_epsilon_best") if k in cost)
+                     + "".join(f" (profile {cost['sweep_epsilon_best_profile']:.3f}, rdp "
+                               f"{cost.get('sweep_epsilon_best_rdp', math.nan):.3f})" for _ in [0]
+                               if "sweep_epsilon_best_profile" in cost)
                      + f" at delta={cost['sweep_delta']:.1e}")
     parts.append(f"parent run_id={tracker.run_id} | {ui_command(tracker.uri or tracking_uri(None))}")
     print(" | ".join(parts), flush=True)
