@@ -8,29 +8,31 @@ clips against a *certified upper bound* on the norm of what its kernel will add,
 
 The argument (u = 2^-24, float32's unit roundoff; gamma_k = k u / (1 - k u), the classic bound on k roundings):
 
-1. Each rule returns, per example i, a :class:`Bound`: ``n2`` >= the exact squared norm of the gradient it computed
-   (squares of float32 values are exact in float64; float32 partial sums over blocks of ``BLOCK`` are corrected by
-   1 / (1 - gamma_{BLOCK+3}), see :func:`squares`), and ``err`` >= how far the vector its kernel adds can be from that
-   gradient, *before* the clip factor. A kernel that sums K products (a matmul over n examples and T positions:
-   K = nT) returns exactly sum_k p_k (1 + theta_k) with |theta_k| <= gamma_K (backward error: any order, any
-   blocking, FMA or not): example i's share of the sum is its own terms, each perturbed by at most gamma_K, so its
-   distance from the exact gradient is at most gamma_K S_i, S_i = sum_t ||g_it|| ||a_it|| (>= the Frobenius norm of
-   sum_t |g_it| |a_it|^T). Rules that form per-sample gradients clip exactly what they sum (their error is
-   gamma_{n+2} of the norm: one matrix-vector product and the add into the buffer).
-2. B_i = sqrt(sum n2) (1 + gamma64) + sum err >= the norm of the unscaled vector added. The factor is
-   f_i = min(1, C / (B_i (1 + 4u))) in float64; its float32 rounding (<= 1 + u) and the product f_i g (<= 1 + u)
-   are inside the 1 + 4u. So the added vector has norm <= f_i B_i (1 + u)^2 <= C.
-3. What float32 cannot represent is not scaled there: an example whose factor is below 2^-60 (its float32 product
-   would lose bits to underflow), whose bound is not finite (a float32 square overflowed, or inf/NaN), or whose
-   underflow term (``under``: the most that values rounded below 2^-126 can move its sum, 2^-149 per entry times what
-   multiplies it) exceeds 2^-30 C, is zeroed in the batch kernels and recomputed alone in float64 (:func:`add_exact`):
-   its gradient, its norm and the scaling in float64, cast once. A finite gradient is clipped to C there, never
-   dropped; only one that is not finite in float64 contributes 0.
+1. Each rule returns a :class:`Bound` per example i: ``n2`` >= the squared norm of the gradient it computed (float32
+   squares summed in blocks of at most ``BLOCK``: relative error <= gamma_{BLOCK+3} whatever the order, in ``rel``;
+   squares lost below 2^-126 in ``floor``; block sums in float64), and ``err`` >= how far the vector its kernel adds
+   can be from that gradient, *before* the clip factor. A kernel that sums K products (a matmul over n examples and T
+   positions: K = nT) returns exactly sum_k p_k (1 + theta_k) with |theta_k| <= gamma_K (backward error: any order,
+   any blocking, FMA or not): example i's share of the sum is its own terms, each perturbed by at most gamma_K, so
+   its distance from the exact gradient is at most gamma_K S_i, S_i = sum_t ||g_it|| ||a_it|| (>= the Frobenius norm
+   of sum_t |g_it| |a_it|^T). Rules that form per-sample gradients clip exactly what they sum (their error is
+   gamma_{n+2} of the norm, in ``rel``: one matrix-vector product and the add into the buffer).
+2. The parts are disjoint blocks of the example's vector, so B_i = (sqrt(sum n2 + sum floor) + sum err)(1 + max rel)
+   bounds the norm of the unscaled vector added; :func:`clip_factors` derives f_i <= 1 with f_i B_i <= C - slack
+   (the float32 factor, its product with g and the float32 sums and (r)sqrt of the bound are inside a 1 + 8u).
+3. Underflow: every operand a kernel multiplies by a scaled value has entries below 2^64, since larger ones make the
+   float32 squares of its rule infinite (the float64 route below); a scaled value rounded to a subnormal moves a
+   product by at most 2^-149 2^64 = ``UNDERFLOW``, so an example's sum moves by at most ``slack`` (T sqrt(P) of them),
+   which the factor leaves room for.
+4. What float32 cannot scale exactly is not scaled there: an example whose factor is below 2^-60 or whose bound is
+   not finite (a float32 square past 2^128, inf/NaN) is zeroed in the batch kernels and recomputed alone in float64
+   (:func:`add_exact`): its gradient, norm and scaling in float64, cast once. A finite gradient is clipped to C
+   there, never dropped; only one that is not finite in float64 contributes 0.
 
-Hence RHO = 2^-20 covers the remaining roundings (the float64 cast, the underflow term). Outside the bound, stated in
-README: the rounding of later additions (micro-batch sums into the step's buffer, the all-reduce, the noise), which
-round the running total, and the floating-point Gaussian sampler itself (Mironov, CCS 2012). On CUDA the kernels the
-bound relies on run with TF32 off (:func:`exact_float32`): TF32 would round their inputs to 10 bits.
+Hence RHO = 2^-20 covers the roundings left (the float64 route's cast). Outside the bound, stated in README: the
+rounding of later additions (micro-batch sums into the step's buffer, the all-reduce, the noise), which round the
+running total, and the floating-point Gaussian sampler itself (Mironov, CCS 2012). On CUDA the kernels the bound
+relies on run with TF32 off (:func:`exact_float32`): TF32 would round their inputs to 10 bits.
 """
 
 from __future__ import annotations
