@@ -66,8 +66,8 @@ MUTANTS = (
            "world_size, cfg.ddp_shard)",
            ("tests/test_distributed.py::test_parameters_stay_identical_and_only_rank_zero_tracks",)),
     Mutant("clip-per-layer", "each parameter's per-example gradient is clipped to C on its own, not the whole flat one",
-           "workbench/clipping/opacus_modes.py", "zero_rows(gs, rows)).t(), factor.to(gs.dtype))",
-           "zero_rows(gs, rows)).t(), (self.clip / (torch.linalg.vector_norm(gs, dim=1) + 1e-6)).clamp(max=1.0))",
+           "workbench/clipping/opacus_modes.py", "torch.mv(gs.t(), factor.to(gs.dtype))",
+           "torch.mv(gs.t(), (self.clip / (torch.linalg.vector_norm(gs, dim=1) + 1e-6)).clamp(max=1.0))",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear-hooks]",)),
     Mutant("bk-norm-without-bias", "book-keeping leaves the bias out of each example's norm: under-clipped examples",
            "workbench/clipping/layers.py", "(1.0 if \"bias\" in names else 0.0)", "0.0",
@@ -86,7 +86,7 @@ MUTANTS = (
            ("tests/test_clipping.py::test_an_example_with_a_non_finite_gradient_contributes_zero_and_the_others_are_"
             "unchanged[bk-nan]",)),
     Mutant("non-finite-rows-summed-opacus", "a zeroed example's inf rows still enter the hooks sum: 0 * inf = NaN",
-           "workbench/clipping/opacus_modes.py", "(gs if rows is None else zero_rows(gs, rows))", "gs",
+           "workbench/clipping/opacus_modes.py", "gs = gs if rows is None else zero_rows(gs, rows)", "gs = gs",
            ("tests/test_clipping.py::test_an_example_with_a_non_finite_gradient_contributes_zero_and_the_others_are_"
             "unchanged[hooks-overflow]",)),
     # issue 19: each route's factor recomputed from another precision or quantity than what its kernel sums
@@ -96,11 +96,12 @@ MUTANTS = (
            (FP_CANCEL + "[conv1x1_kept]", FP_CANCEL + "[patch_embedding]")),
     Mutant("fp-linear-seq-norm-without-kernel-error", "the Linear sequence kept route clips against the float32 "
            "per-sample norm, not the matmul's sum",
-           "workbench/clipping/layers.py", "scale = (gamma(steps + 1) + gamma(n * steps + 2))",
-           "scale = 0 * (gamma(steps + 1) + gamma(n * steps + 2))", (FP_CANCEL + "[linear_seq_kept]",)),
+           "workbench/clipping/layers.py", "scale = (gamma(steps + 1) + gamma(kernel_depth(batch, steps)))",
+           "scale = 0 * (gamma(steps + 1) + gamma(kernel_depth(batch, steps)))", (FP_CANCEL + "[linear_seq_kept]",)),
     Mutant("fp-embedding-norm-without-kernel-error", "Embedding clips against float64 row sums, not the float32 "
            "index_add_ that sums them", "workbench/clipping/layers.py",
-           "magnitude.mul_((gamma(steps, U64) + gamma(n * steps + 2)) * scale)", "magnitude.mul_(0 * scale)", (FP_CANCEL + "[embedding]",)),
+           "magnitude.mul_((gamma(steps, U64) + gamma(kernel_depth(batch, steps))) * scale)",
+           "magnitude.mul_(0 * scale)", (FP_CANCEL + "[embedding]",)),
     Mutant("fp-linear-rows-norm-in-bf16", "the Linear rows route's norms from bf16-rounded inputs: rounded down, an "
            "example escapes the clip", "workbench/clipping/layers.py", "aa = torch.linalg.vecdot(a, a)", "aa = torch.linalg.vecdot(a.bfloat16(), a.bfloat16()).float()",
            (FP_FUZZ,)),
@@ -108,8 +109,7 @@ MUTANTS = (
            "clipped by a bf16 norm, not the float32 values summed", "workbench/clipping/bound.py",
            "    b = squares(t)\n", "    b = squares(t.bfloat16())\n", (FP_FUZZ,)),
     Mutant("fp-huge-gradient-dropped", "a finite gradient past float32's squares contributes 0 instead of C",
-           "workbench/clipping/bound.py", "    if not math.isfinite(norm):\n        return",
-           "    if True:\n        return",
+           "workbench/clipping/bound.py", "    if top == 0.0:\n        return", "    if True:\n        return",
            ("tests/test_fp_bound.py::test_a_finite_gradient_past_float32s_squares_is_clipped_to_c_not_dropped[bk]",
             "tests/test_fp_bound.py::test_a_finite_gradient_past_float32s_squares_is_clipped_to_c_not_dropped[hooks]")),
     Mutant("pinned-seed-logged", "a pinned secure_seed reaches MLflow's params unredacted",

@@ -68,6 +68,7 @@ class GradientStep:
         if self.private and self.mode == "auto":
             self.mode = clipping.fastest_grad_sample_mode(model)
         self.clipper = clipping.make(model, self.params, max_grad_norm=max_grad_norm, mode=self.mode)
+        self.clipper.max_batch = max_physical_batch_size
         self.module = self.clipper.module
         if self.private and autocast_dtype is not None and self.mode == "ew":
             raise WorkbenchError(f"grad_sample_mode={self.mode} cannot run in mixed precision: its clipped sum is not "

@@ -27,6 +27,8 @@ class Strategy:
     """Base of the strategies: ``check`` by default only runs the loss once (one loss per example?), without grad."""
 
     module: nn.Module
+    max_batch = 1  # the most examples one accumulate() may get (GradientStep sets max_physical_batch_size): public,
+    # so that the floating-point margins (clipping/bound.py) never depend on how many examples were drawn
 
     def check(self, batch: Any, loss_fn: LossFn) -> None:
         was_training = self.module.training

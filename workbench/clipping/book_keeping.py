@@ -187,7 +187,8 @@ class BookKeeping(Strategy):
         Each example's contribution as added is at most C (1 + RHO): :mod:`workbench.clipping.bound`."""
         losses, arrived = self._backward(batch, loss_fn, retain=False, collect=False)
         n = len(losses)
-        with exact_float32(losses.device):
+        bound_n = max(n, self.max_batch)  # public: no factor depends on how many examples were drawn
+        with exact_float32():
             parts = []  # a certified bound per layer route, summed once
             kept = []
             for m, (per_sample, calls) in arrived.items():
@@ -196,12 +197,13 @@ class BookKeeping(Strategy):
                     for a, g in calls:  # a layer whose calls took both routes: all per-sample
                         for name, t in rule.per_sample(m, a, g).items():
                             per_sample[name].add_(t)
-                    parts += [materialised(t) for t in per_sample.values()]
+                    parts += [materialised(t, bound_n) for t in per_sample.values()]
                 elif calls:
                     state = rule.prepare(m, calls, n)
-                    parts.append(rule.bound(m, state, n))
+                    parts.append(rule.bound(m, state, n, bound_n))
                     kept.append((rule, m, calls, state))
-            factor, rows = clip_factors(parts, n, self.clip, losses.device)
+            buffer = next(iter(view_of.values())).dtype
+            factor, rows = clip_factors(parts, n, self.clip, buffer, losses.device)
             # rows: examples recomputed alone in float64 (non-finite or extreme bounds); zeroed here, as 0 * inf is NaN
             for m, (per_sample, _) in arrived.items():
                 for name, t in (per_sample or {}).items():

@@ -32,7 +32,7 @@ The argument (u = 2^-24, float32's unit roundoff; gamma_k = k u / (1 - k u), the
 Hence RHO = 2^-20 covers the roundings left (the float64 route's cast). Outside the bound, stated in README: the
 rounding of later additions (micro-batch sums into the step's buffer, the all-reduce, the noise), which round the
 running total, and the floating-point Gaussian sampler itself (Mironov, CCS 2012). On CUDA the kernels the bound
-relies on run with TF32 off (:func:`exact_float32`): TF32 would round their inputs to 10 bits.
+relies on run in true float32 (:func:`exact_float32`): TF32 or oneDNN's bf16 mode would round their inputs.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ SUBNORMAL = 2.0 ** -148  # twice the most a square rounded below float32's norma
 # squares its rule sums (inf: the float64 route). A scaled value rounded to a subnormal then moves a product by at
 # most 2^-149 * 2^64, hence the absolute slack UNDERFLOW per term of an example's own sum (see Bound.slack).
 UNDERFLOW = 2.0 ** -85
-GAMMA64 = 2.0 ** 32 * U64 / (1 - 2.0 ** 32 * U64)  # float64 sums of up to 2^32 terms and the sqrt: a generous margin
+ILL_CONDITIONED = 2.0 ** -6  # kernel error past this share of an example's norm: the float64 route (clip_factors)
 
 
 def gamma(k: float, u: float = U32) -> float:
@@ -111,43 +111,53 @@ def norms_rel(d: int) -> float:
     return gamma(d + 3) / 2
 
 
-def materialised(t: torch.Tensor) -> Bound:
+def materialised(t: torch.Tensor, batch: int) -> Bound:
     """The bound of per-sample gradients ``t`` (n, ...) that are summed as they are (one matrix-vector product with the
-    factors, added into the buffer): clip what you sum, within gamma_{n+2} of it."""
+    factors, added into the buffer): clip what you sum, within gamma_{batch+2} of it (``batch``: the most examples a
+    micro-batch may hold, public, so that no example's factor depends on how many others were drawn)."""
     b = squares(t)
     per_example = t[0].numel() if len(t) else 0
-    return b._replace(rel=b.rel + gamma(len(t) + 2), slack=UNDERFLOW * math.sqrt(per_example))
+    return b._replace(rel=b.rel + gamma(batch + 2), slack=UNDERFLOW * math.sqrt(per_example))
 
 
-def clip_factors(parts: list[Bound], n: int, clip: float, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+def clip_factors(parts: list[Bound], n: int, clip: float, buffer: torch.dtype,
+                 device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The clip factors of n examples from their routes' bounds (consumed: the first part's ``n2`` is summed into),
     and the mask of examples to be recomputed alone in float64 (:func:`add_exact`; their factor here is 0 and callers
     zero their rows), or None when there is none: the usual case costs one host read. Which examples take that route is
     private: never log it.
 
     The parts are disjoint blocks of an example's vector: its norm before the factor is at most
-    B = (sqrt(sum n2) + sqrt(F) + sum err) (1 + max rel), F the squares lost to underflow. With
-    f = min(1, c / (sqrt(sum n2) + sum err)), c = (C - slack - sqrt(F)) / ((1 + max rel) (1 + 8u)), the vector added
-    is at most f B (1 + 2u) + slack <= C: f B <= c (1 + max rel) + sqrt(F) whether f clips or not. The scalars cost no
-    tensor operation; in float32 the sums, the (r)sqrt and the product round by at most 6u, inside the 1 + 8u."""
+    B = (sqrt(sum n2 + F) + sum err) (1 + max rel), F the squares lost to underflow. With
+    f = min(1, c / (sqrt(sum n2) + sum err)), c = (C - slack - sqrt(F) (1 + max rel)) / ((1 + max rel) (1 + 16u)
+    (1 + 2 u_buffer)), the vector added is at most f B (1 + 2u) (1 + u_buffer) + slack <= C: f B <= c (1 + max rel)
+    + sqrt(F) (1 + max rel) whether f clips or not; the float32 factor, its products, the sums and (r)sqrt of the bound
+    (2 ulp on CUDA) are inside the 1 + 16u, the cast into a bf16/fp16 buffer inside 1 + 2 u_buffer.
+
+    Examples whose kernel error is not small beside their norm (err > ILL_CONDITIONED sqrt(n2): terms that cancel, the
+    float32 sum mostly rounding) take the float64 route too: in a batch kernel their share of the rounding would
+    depend on the other examples drawn (and on the summation order), which no per-example factor can bound."""
     if not parts:
         return torch.ones(n, device=device), None
-    n2 = parts[0].n2
+    rel = max(b.rel for b in parts) + gamma(len(parts) + 2)  # + the sums over parts
+    u_buffer = torch.finfo(buffer).eps / 2
+    room = clip - sum(b.slack for b in parts) - math.sqrt(sum(b.floor for b in parts)) * (1.0 + rel)
+    c = max(room, 0.0) / ((1.0 + rel) * (1.0 + 16 * U32) * (1.0 + 2 * u_buffer))
+    errs = [b.err for b in parts if b.err is not None]
+    n2 = parts[0].n2.double() if errs and parts[0].n2.dtype != torch.float64 else parts[0].n2
     for b in parts[1:]:
         n2 += b.n2
-    rel = max(b.rel for b in parts) + (gamma(len(parts)) if n2.dtype != torch.float64 else GAMMA64)
-    room = clip - sum(b.slack for b in parts) - math.sqrt(sum(b.floor for b in parts))
-    c = max(room, 0.0) / ((1.0 + rel) * (1.0 + 8 * U32))
-    errs = [b.err for b in parts if b.err is not None]
-    if errs:
-        bound = n2.sqrt_()
-        for e in errs:
-            bound += e
-        factor = bound.reciprocal_().mul_(c)
+    if errs:  # float64 throughout: one rounding per layer's err would not fit a fixed margin
+        norm = n2.sqrt_()
+        err = errs[0] if len(errs) == 1 else torch.stack(errs).sum(0)
+        ill = err > norm * ILL_CONDITIONED
+        factor = norm.add_(err).reciprocal_().mul_(c)
     else:
         factor = n2.rsqrt_().mul_(c)
     factor.clamp_(max=1.0)
     ok = factor >= TINY_FACTOR  # False for NaN (an inf/NaN bound) and for factors float32 would scale inexactly
+    if errs:
+        ok &= ~ill
     if bool(ok.all()):
         return factor.float() if factor.dtype != torch.float32 else factor, None
     rows = ~ok
@@ -163,28 +173,42 @@ def zero_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def add_exact(grads: dict[int, torch.Tensor], clip: float, view_of: dict[int, torch.Tensor]) -> None:
-    """One example's gradient (parameter id -> float64 tensor) clipped in float64 and added: its norm, factor and
-    scaled values are float64, then cast once to the buffer (<= 1 + u per entry, plus subnormal rounding). A gradient
-    that is not finite even in float64 contributes 0 (a function of that example alone, norm 0 <= C)."""
-    norm = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
-    if not math.isfinite(norm):
+    """One example's gradient (parameter id -> float64 tensor) clipped in float64 and added: its norm (scaled by its
+    largest entry first, so that float64 models' huge gradients do not overflow the squares), factor and scaled values
+    are float64, then cast once to the buffer (<= 1 + u per entry, plus subnormal rounding). A gradient that is not
+    finite even in float64 contributes 0 (a function of that example alone, norm 0 <= C)."""
+    if not grads:
         return
-    factor = min(1.0, clip / norm) if norm > 0 else 1.0
+    top = max(float(g.abs().max()) if g.numel() else 0.0 for g in grads.values())
+    if not math.isfinite(top):
+        return
+    if top == 0.0:
+        return
+    norm = top * math.sqrt(sum(float((g / top).square().sum()) for g in grads.values()))
+    factor = min(1.0, clip / norm)
     for key, g in grads.items():
         view = view_of[key]
         view.add_((g * factor).to(view.dtype))
 
 
+_PRECISION_FLAGS = ("mkldnn.matmul", "mkldnn.conv", "cuda.matmul", "cudnn.conv")
+
+
 @contextlib.contextmanager
-def exact_float32(device: torch.device) -> Iterator[None]:
-    """CUDA kernels in true float32 (TF32 off) while the bound's kernels run: TF32 rounds their inputs to 10 bits,
-    which the gamma_K margins do not cover. CPU: nothing to do."""
-    if device.type != "cuda":
-        yield
-        return
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+def exact_float32() -> Iterator[None]:
+    """The bound's kernels in true float32: TF32 (CUDA) and oneDNN's bf16 float32 mode (CPUs with AMX or avx512_bf16,
+    under ``torch.set_float32_matmul_precision("medium")``) round their inputs to 10 or 8 bits, which the gamma_K
+    margins do not cover (a crafted example measured at 59 C that way). Only torch's per-backend flags are touched
+    (mixing its legacy TF32 switches with them makes torch raise); each is restored after."""
+    saved = []
+    for name in _PRECISION_FLAGS:
+        backend, op = name.split(".")
+        flags = getattr(getattr(torch.backends, backend, None), op, None)
+        if flags is not None and hasattr(flags, "fp32_precision") and flags.fp32_precision != "ieee":
+            saved.append((flags, flags.fp32_precision))
+            flags.fp32_precision = "ieee"
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+        for flags, value in saved:
+            flags.fp32_precision = value

@@ -8,7 +8,7 @@ Book-keeping hands a rule each call's (a, g) during the backward, as g arrives. 
   non-private step's, and the clipped sum costs no second weight-gradient kernel.
 - kept calls (``keeps`` true): (a, g) are held until the clip factors are known, then
   ``prepare(m, calls, n)``              what the two steps below share (e.g. the calls joined), computed once;
-  ``bound(m, state, n)``                a :class:`~workbench.clipping.bound.Bound` per example: a certified upper
+  ``bound(m, state, n, batch)``         a :class:`~workbench.clipping.bound.Bound` per example: a certified upper
                                         bound on the norm of what ``add_clipped`` will add for it (the argument is in
                                         :mod:`workbench.clipping.bound`), never a float estimate of it;
   ``add_clipped(m, state, f, view_of)`` sum_i f_i grad_i into each trainable parameter's buffer view.
@@ -71,6 +71,22 @@ def smaller_kept(m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> bool:
     return PER_SAMPLE_IF * (_per_example(a) + _per_example(g)) < sum(getattr(m, name).numel() for name in trainable(m))
 
 
+KERNEL_ROWS = 2048  # the most (example, position) terms one clipped-sum kernel call reduces over: chunks of examples
+# keep its rounding margin gamma_K small and public (the same whatever number of examples was drawn)
+
+
+def per_call(positions: int) -> int:
+    """Examples per clipped-sum kernel call for layers whose examples have ``positions`` terms each."""
+    return max(1, KERNEL_ROWS // max(1, positions))
+
+
+def kernel_depth(batch: int, positions: int, calls: int = 1) -> int:
+    """The most roundings a term of the clipped sum goes through: its chunk's kernel, then the adds of the chunk
+    results (of every call) into the buffer view, for up to ``batch`` examples (public: max_physical_batch_size)."""
+    c = per_call(positions)
+    return min(batch, c) * positions + calls * math.ceil(batch / c) + 2
+
+
 class Materialised:
     """For layers whose per-sample gradients are small (normalisation affine parameters): always formed."""
 
@@ -122,20 +138,21 @@ class LinearRule:
             return tuple(_precise(t) for t in calls[0])
         return tuple(_cat([_precise(t).reshape(n, -1, t.shape[-1]) for t in ts], 1) for ts in zip(*calls))
 
-    def bound(self, m, state, n):
+    def bound(self, m, state, n, batch):
         a, g = state
         names = trainable(m)
         if a.dim() == 2:  # ||g_i a_i^T||^2 = ||a_i||^2 ||g_i||^2 (+ ||g_i||^2 with a bias), one product per entry
             gg = torch.linalg.vecdot(g, g)  # float32: within gamma_d, squares lost below 2^-126 added back
             if "weight" not in names:
-                return Bound(gg.add_(g.shape[1] * SUBNORMAL), gamma(g.shape[1] + 2) / 2 + gamma(n + 2),
+                return Bound(gg.add_(g.shape[1] * SUBNORMAL), gamma(g.shape[1] + 2) / 2 + gamma(kernel_depth(batch, 1)),
                              slack=UNDERFLOW * math.sqrt(g.shape[1]))
             aa = torch.linalg.vecdot(a, a).add_((1.0 if "bias" in names else 0.0) + a.shape[1] * SUBNORMAL)
             n2 = aa.mul_(gg.add_(g.shape[1] * SUBNORMAL))  # float32: inf (float64 route) past 2^128
             # the squares' rounding (gamma_d each, halved on the norm), the add and product (3u), the matmul over n
             # rows and the add into the buffer (gamma_{n+2}: no cancellation within one example's rank-1 term)
-            rel = (gamma(a.shape[1] + 2) + gamma(g.shape[1] + 2)) / 2 + 2 * U32 + gamma(n + 2)
-            return Bound(n2, rel, slack=UNDERFLOW * math.sqrt(m.weight.numel() + g.shape[1]))
+            rel = (gamma(a.shape[1] + 2) + gamma(g.shape[1] + 2)) / 2 + 2 * U32 + gamma(kernel_depth(batch, 1))
+            return Bound(n2, rel, slack=UNDERFLOW * math.sqrt(m.weight.numel() + g.shape[1]),
+                         floor=2.0 ** -148)  # the float32 product of two tiny squares may round to 0
         # sequences: per-sample gradients formed in float32 (sum over T: within gamma_T S of the exact), the clipped
         # sum one matmul over n T rows (within gamma_{nT+2} S), S = sum_t ||g_t|| (||a_t|| + 1 with a bias)
         steps = a.shape[1]
@@ -149,7 +166,7 @@ class LinearRule:
         else:
             n2, rel, floor = w.n2.double().add_(b.n2), max(w.rel, b.rel), w.floor + b.floor
             magnitude = torch.linalg.vecdot(gn, an.add_(1.0))
-        scale = (gamma(steps + 1) + gamma(n * steps + 2)) * (1 + norms_rel(a.shape[-1])) * (1 + norms_rel(g.shape[-1]))
+        scale = (gamma(steps + 1) + gamma(kernel_depth(batch, steps))) * (1 + norms_rel(a.shape[-1])) * (1 + norms_rel(g.shape[-1]))
         return Bound(n2, rel, magnitude.mul_(scale * (1 + gamma(steps + 1, U64))),
                      UNDERFLOW * steps * math.sqrt(sum(getattr(m, k).numel() for k in names)), floor)
 
@@ -160,25 +177,31 @@ class LinearRule:
         if a.dim() == 2 and a.dtype == g.dtype == dtype:  # one row per example, in the buffer's precision
             self._add_clipped_rows(m, names, a, g, factor, view_of)
             return
-        # out of place: autograd may hand the same gradient tensor to two layers (z = a(x) + b(x))
-        scaled = (g * factor.view(-1, *[1] * (g.dim() - 1))).to(dtype).reshape(-1, g.shape[-1])
-        if "weight" in names:
-            view_of[id(m.weight)].addmm_(scaled.t(), a.reshape(-1, a.shape[-1]).to(dtype))
-        if "bias" in names:
-            view_of[id(m.bias)].add_(scaled.sum(0))
+        c = per_call(_per_example(a) // a.shape[-1])
+        for s in range(0, len(a), c):  # out of place: autograd may hand one gradient tensor to two layers
+            gs, as_ = g[s:s + c], a[s:s + c]
+            scaled = (gs * factor[s:s + c].view(-1, *[1] * (gs.dim() - 1))).to(dtype).reshape(-1, gs.shape[-1])
+            if "weight" in names:
+                view_of[id(m.weight)].addmm_(scaled.t(), as_.reshape(-1, as_.shape[-1]).to(dtype))
+            if "bias" in names:
+                view_of[id(m.bias)].add_(scaled.sum(0))
 
     @staticmethod
     def _add_clipped_rows(m, names, a, g, factor, view_of):
         """sum_i f_i g_i a_i^T with the factors on the narrower of a and g (fewer products), sum_i f_i g_i one
         matrix-vector product; a and g are left as they are (autograd may hand one g to two layers)."""
-        f = factor.unsqueeze(1)
-        if "weight" in names:
-            if a.shape[1] < g.shape[1]:
-                view_of[id(m.weight)].addmm_(g.t(), a * f)
-            else:
-                view_of[id(m.weight)].addmm_((g * f).t(), a)
-        if "bias" in names:
-            view_of[id(m.bias)].addmv_(g.t(), factor)
+        factor = factor.to(g.dtype)  # a float64 model's rows
+        c = per_call(1)
+        for s in range(0, len(a), c):  # one chunk unless more than KERNEL_ROWS examples
+            ac, gc, fc = (a, g, factor) if len(a) <= c else (a[s:s + c], g[s:s + c], factor[s:s + c])
+            f = fc.unsqueeze(1)
+            if "weight" in names:
+                if ac.shape[1] < gc.shape[1]:
+                    view_of[id(m.weight)].addmm_(gc.t(), ac * f)
+                else:
+                    view_of[id(m.weight)].addmm_((gc * f).t(), ac)
+            if "bias" in names:
+                view_of[id(m.bias)].addmv_(gc.t(), fc)
 
     def sample(self, m, calls, k, absolute=False):
         a, g = (torch.cat([t[k].reshape(-1, t.shape[-1]) for t in ts], 0) for ts in zip(*calls))
@@ -204,7 +227,7 @@ class EmbeddingRule:
             g = g * (idx != m.padding_idx).unsqueeze(-1).to(g.dtype)
         return idx, g
 
-    def bound(self, m, state, n):
+    def bound(self, m, state, n, batch):
         idx, g = state
         rows = torch.arange(n, device=idx.device).unsqueeze(1) * m.num_embeddings + idx
         pairs, which = torch.unique(rows.flatten(), return_inverse=True)
@@ -217,13 +240,15 @@ class EmbeddingRule:
         steps = g.shape[1]
         magnitude = norms(g).sum(1)
         scale = (1 + norms_rel(g.shape[-1])) * (1 + gamma(steps, U64))
-        return Bound(n2, 0.0, magnitude.mul_((gamma(steps, U64) + gamma(n * steps + 2)) * scale),
+        return Bound(n2, 0.0, magnitude.mul_((gamma(steps, U64) + gamma(kernel_depth(batch, steps))) * scale),
                      2.0 ** -149 * math.sqrt(g[0].numel()))
 
     def add_clipped(self, m, state, factor, view_of):
         idx, g = state
-        scaled = (g * factor.view(-1, 1, 1)).to(view_of[id(m.weight)].dtype)
-        view_of[id(m.weight)].index_add_(0, idx.flatten(), scaled.reshape(-1, g.shape[-1]))
+        c = per_call(g.shape[1])
+        for s in range(0, len(g), c):
+            scaled = (g[s:s + c] * factor[s:s + c].view(-1, 1, 1)).to(view_of[id(m.weight)].dtype)
+            view_of[id(m.weight)].index_add_(0, idx[s:s + c].flatten(), scaled.reshape(-1, g.shape[-1]))
 
     def sample(self, m, calls, k, absolute=False):
         idx, g = self.prepare(m, [(a[k:k + 1], g[k:k + 1]) for a, g in calls], 1)
@@ -304,7 +329,7 @@ class ConvRule:
         p = x.shape[1] * math.prod(m.kernel_size)
         return patch.mul_(1.0 + gamma(x.shape[1] + 3)).add_(p * 2.0 ** -148).sqrt_().mul_(1.0 + gamma(p + 2, U64))
 
-    def bound(self, m, state, n):
+    def bound(self, m, state, n, batch):
         """Per-sample norms by the Gram trick in float64 (its rounding within gamma64_D S^2 of the squared norm) or
         from per-sample gradients formed in float32 (within gamma_L S of the exact); the clipped sum is the layer's
         weight-gradient kernel over n L positions (within gamma_{nL+2} S); S = sum_l ||g_l|| ||U_l||."""
@@ -313,7 +338,7 @@ class ConvRule:
         n2 = torch.zeros(n, device=g0.device, dtype=torch.float64)
         lengths = sum(math.prod(g.shape[2:]) for _, _, g in state)
         gn = torch.cat([norms(g.flatten(2).transpose(1, 2)) for _, _, g in state], 1)  # (n, L) ||g_l||
-        kernel = gamma(n * lengths + 2)
+        kernel = gamma(kernel_depth(batch, max(math.prod(g.shape[2:]) for _, _, g in state), len(state)))
         err = torch.zeros(n, device=g0.device, dtype=torch.float64)
         rel, floor = 0.0, 0.0
         if "weight" in names:
@@ -349,12 +374,14 @@ class ConvRule:
     def add_clipped(self, m, state, factor, view_of):
         names = trainable(m)
         dtype = view_of[id(getattr(m, names[0]))].dtype
+        c = per_call(max(math.prod(g.shape[2:]) for _, _, g in state))
         for x, padding, g in state:
-            scaled = (g * factor.view(-1, *[1] * (g.dim() - 1))).to(dtype)
-            if "weight" in names:
-                view_of[id(m.weight)].add_(self._weight_grad(m, x.to(dtype), padding, scaled))
-            if "bias" in names:
-                view_of[id(m.bias)].add_(scaled.flatten(2).sum((0, 2)))
+            for s in range(0, len(g), c):
+                scaled = (g[s:s + c] * factor[s:s + c].view(-1, *[1] * (g.dim() - 1))).to(dtype)
+                if "weight" in names:
+                    view_of[id(m.weight)].add_(self._weight_grad(m, x[s:s + c].to(dtype), padding, scaled))
+                if "bias" in names:
+                    view_of[id(m.bias)].add_(scaled.flatten(2).sum((0, 2)))
 
     def sample(self, m, calls, k, absolute=False):
         out: dict[str, torch.Tensor] = {}

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from workbench.clipping.base import LossFn, Strategy, check_tolerance, require_own
-from workbench.clipping.bound import add_exact, clip_factors, materialised, zero_rows
+from workbench.clipping.bound import add_exact, clip_factors, exact_float32, materialised, zero_rows
 from workbench.errors import WorkbenchError
 
 
@@ -109,11 +109,16 @@ class PerSampleGradients(_Checked):
         losses.sum().backward()
         # None: a parameter unused in this forward; its clipped gradient is zero. Norms, factors and the sum from
         # the very per-sample gradients summed (float32, whatever precision the backward ran in): clip what you sum.
-        flat_samples = [(view_of[id(p)], p.grad_sample.reshape(n, -1).to(view_of[id(p)].dtype)) for p in self.params
-                        if p.grad_sample is not None]
-        factor, rows = clip_factors([materialised(gs) for _, gs in flat_samples], n, self.clip, losses.device)
-        for view, gs in flat_samples:  # rows: recomputed alone in float64 below (0 * inf is NaN in the sum)
-            view.view(-1).addmv_((gs if rows is None else zero_rows(gs, rows)).t(), factor.to(gs.dtype))
+        flat_samples = [(view_of[id(p)], p.grad_sample.reshape(n, -1).to(torch.promote_types(view_of[id(p)].dtype,
+                                                                                          torch.float32)))
+                        for p in self.params if p.grad_sample is not None]
+        batch = max(n, self.max_batch)
+        with exact_float32():  # the matrix-vector products below must be the float32 ones the bound assumes
+            factor, rows = clip_factors([materialised(gs, batch) for _, gs in flat_samples], n, self.clip,
+                                        next(iter(view_of.values())).dtype, losses.device)
+            for view, gs in flat_samples:  # rows: recomputed alone in float64 below (0 * inf is NaN in the sum)
+                gs = gs if rows is None else zero_rows(gs, rows)
+                view.view(-1).add_(torch.mv(gs.t(), factor.to(gs.dtype)))  # float32 at least, cast when added
         if rows is not None:
             for k in rows.nonzero().flatten().tolist():
                 add_exact({id(view): gs[k].double().view_as(view) for view, gs in flat_samples}, self.clip,
