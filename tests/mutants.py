@@ -108,6 +108,16 @@ MUTANTS = (
     Mutant("fp-materialised-norm-in-bf16", "formed per-sample gradients (bk's formed routes, hooks, functorch, ew) "
            "clipped by a bf16 norm, not the float32 values summed", "workbench/clipping/bound.py",
            "    b = squares(t)\n", "    b = squares(t.bfloat16())\n", (FP_FUZZ,)),
+    Mutant("fp-ill-conditioned-in-batch-kernels", "examples whose float32 sums are mostly rounding stay in the batch "
+           "kernels, where their share of the rounding moves with their batch-mates", "workbench/clipping/bound.py",
+           "        ok &= ~ill\n", "        pass\n",
+           ("tests/test_fp_bound.py::test_removing_one_example_moves_the_release_by_at_most_its_clipped_contribution[3]",
+            "tests/test_fp_bound.py::test_removing_one_example_moves_the_release_by_at_most_its_clipped_contribution"
+            "[512]")),
+    Mutant("fp-factor-depends-on-the-draw", "the kernels' rounding margins use the number of examples drawn, not the "
+           "public micro-batch bound", "workbench/clipping/book_keeping.py", "bound_n = max(n, self.max_batch)",
+           "bound_n = n", ("tests/test_fp_bound.py::test_an_examples_clip_factor_does_not_depend_on_how_many_others_"
+                           "were_drawn",)),
     Mutant("fp-huge-gradient-dropped", "a finite gradient past float32's squares contributes 0 instead of C",
            "workbench/clipping/bound.py", "    if top == 0.0:\n        return", "    if True:\n        return",
            ("tests/test_fp_bound.py::test_a_finite_gradient_past_float32s_squares_is_clipped_to_c_not_dropped[bk]",
