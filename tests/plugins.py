@@ -44,6 +44,14 @@ def batchnorm_mlp(in_features=64, hidden=(128,), num_classes=10):
                          nn.Linear(hidden[0], num_classes))
 
 
+def lone_groupnorm_mlp(in_features=64, hidden=32, num_classes=10):
+    """A model that cannot learn: GroupNorm(C, C) on (N, C) features normalises each value alone (always 0)."""
+    from torch import nn
+
+    return nn.Sequential(nn.Linear(in_features, hidden), nn.GroupNorm(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, num_classes))
+
+
 def functional_weight_mlp(in_features=64, hidden=(128,), num_classes=10):
     """A model per-sample clipping would get wrong: the first layer's weight is also used outside that layer's call,
     which no layer-level check can see (grad_sample_mode=bk refuses it on a real batch before training)."""

@@ -134,6 +134,8 @@ KINDS = [
     (["privacy.target_epsilon=1e-6"], "unreachable"),
     (["compute_metrics=os.path.nosuch"], "not an importable function"),
     (["model._target_=builtins.dict"], "not a torch.nn.Module"),
+    (["model._target_=tests.plugins.lone_groupnorm_mlp"],
+     "model.1: GroupNorm(32, 32, eps=1e-05, affine=True, bias=True) normalises each value of its input (8, 32) alone"),
     (["backend=nccl"], "ddp_backend=nccl"),
 ]
 

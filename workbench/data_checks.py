@@ -13,8 +13,11 @@ It reads the data the user is about to train on, before training: it releases no
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -44,7 +47,7 @@ def check_fit(dataset: Any, name: str, model: nn.Module, criterion: Callable, de
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), warnings.catch_warnings():
+        with torch.no_grad(), warnings.catch_warnings(), _refuse_lone_values(model):
             warnings.simplefilter("ignore")  # e.g. MSELoss's broadcasting warning: the refusal says it in one line
             out = _first_failure(lambda i, j: model(x[i:j]), len(x), name, "does not fit the model",
                                  f"make the model take inputs of shape {tuple(x.shape[1:])} per example "
@@ -62,10 +65,37 @@ def check_fit(dataset: Any, name: str, model: nn.Module, criterion: Callable, de
         model.train(was_training)
 
 
+@contextlib.contextmanager
+def _refuse_lone_values(model: nn.Module) -> Iterator[None]:
+    """A normalisation whose group holds a single value of each example (GroupNorm(C, C) on (N, C) features, a
+    LayerNorm over one value) outputs 0 whatever its input: the model cannot learn. Found on the first batch."""
+    def check(name: str, module: nn.Module, args: tuple) -> None:
+        x = args[0]
+        if isinstance(module, nn.GroupNorm):
+            alone = x.dim() >= 2 and x.shape[1] // module.num_groups * math.prod(x.shape[2:]) == 1
+        else:
+            alone = math.prod(module.normalized_shape) == 1
+        if alone:
+            c = x.shape[1] if x.dim() >= 2 else 1
+            raise WorkbenchError(f"model.{name or 'model'}: {module} normalises each value of its input "
+                                 f"{tuple(x.shape)} alone, so its output is always 0 and the model cannot learn; "
+                                 f"normalise across the features (torch.nn.GroupNorm(1, {c})) or remove it")
+
+    handles = [m.register_forward_pre_hook(functools.partial(check, n)) for n, m in model.named_modules()
+               if isinstance(m, (nn.GroupNorm, nn.LayerNorm))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _first_failure(run: Callable[[int, int], Any], n: int, name: str, what: str, fix: str) -> Any:
     """run(0, n); if it raises, find the first example that fails alone and raise one line about it."""
     try:
         return run(0, n)
+    except WorkbenchError:  # already one line about the model itself (_refuse_lone_values)
+        raise
     except Exception as e:  # noqa: BLE001 - any error of the user's model or criterion is refused in one line
         first = next((i for i in range(n) if _fails(run, i)), 0)
         reason = " ".join(str(e).split())[:300] or type(e).__name__
