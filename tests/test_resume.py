@@ -49,6 +49,39 @@ def test_killed_run_resumes_to_the_same_parameters_and_epsilon(tmp_path):
     assert sorted(eps_b) == sorted(set(eps_b)) and 20 in eps_b
 
 
+def test_a_truncated_checkpoint_is_named_and_the_run_resumes_from_the_newest_intact_one(tmp_path):
+    """A node lost while its newest checkpoint was copied: that file is cut short (one byte: torch says only
+    'Invalid argument'). The resume names it, continues from the one before, and ends where the whole run ends; with
+    every checkpoint cut, it is refused in one line and nothing trains."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {"MLFLOW_TRACKING_URI": uri}
+    whole = run_cli(*ARGS, f"output_dir={tmp_path / 'whole'}", cwd=tmp_path, env=env)
+    crashed = run_cli(*ARGS, f"output_dir={tmp_path / 'crashed'}", cwd=tmp_path, env={**env, "WB_KILL_AT_FETCH": "13"})
+    assert whole.returncode == 0 and crashed.returncode == -9, whole.stderr[-2000:]
+    five, ten = checkpoint.list_checkpoints(tmp_path / "crashed")
+    os.truncate(ten, ten.stat().st_size - 1)
+
+    resumed = run_cli(*ARGS, f"output_dir={tmp_path / 'crashed'}", "resume_from_checkpoint=latest", cwd=tmp_path, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    said = resumed.stdout + resumed.stderr
+    assert f"checkpoint '{ten}' is truncated or corrupt" in said and "Errno" not in said
+    assert f"resuming from the newest intact checkpoint, {five}" in said
+    a, b = _final_model(tmp_path / "whole"), _final_model(tmp_path / "crashed")
+    assert a["step"] == b["step"] == 20 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    for p in checkpoint.list_checkpoints(tmp_path / "crashed"):
+        (cut / "checkpoints").mkdir(exist_ok=True)
+        (cut / "checkpoints" / p.name).write_bytes(p.read_bytes()[:-1])
+    before = {p: p.stat().st_mtime_ns for p in (cut / "checkpoints").iterdir()}
+    refused = run_cli(*ARGS, f"output_dir={cut}", "resume_from_checkpoint=latest_or_new", cwd=tmp_path, env=env)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is truncated or corrupt" in lines[0] and "no intact checkpoint before it" in lines[0]
+    assert {p: p.stat().st_mtime_ns for p in (cut / "checkpoints").iterdir()} == before  # never trained afresh
+
+
 def test_resume_refusals(tmp_path, mlflow_uri):
     from workbench import compose
     from workbench.launch import launch
@@ -80,7 +113,7 @@ def test_resume_refusals(tmp_path, mlflow_uri):
     corrupt.write_bytes(ckpts[-1].read_bytes()[:1000])
     bad = run_cli(*ARGS, f"output_dir={tmp_path / 'y'}", f"resume_from_checkpoint={corrupt}", cwd=tmp_path,
                   env={"MLFLOW_TRACKING_URI": mlflow_uri})
-    assert bad.returncode == 2 and "not a readable workbench checkpoint" in bad.stderr
+    assert bad.returncode == 2 and f"checkpoint '{corrupt}' is truncated or corrupt (1000 bytes" in bad.stderr
     assert "Traceback" not in bad.stderr
 
     client = MlflowClient(tracking_uri=mlflow_uri)

@@ -288,9 +288,8 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
     # Rank 0's secret for everyone: the sampling and noise streams must be unknowable from the logged config.
     secret = d.broadcast_object(p.secure_seed if p.secure_seed is not None else secrets.randbits(63))
     if cfg.resume_from_checkpoint:
-        path = checkpoint.resolve(cfg.resume_from_checkpoint, cfg.output_dir)
+        path, state = checkpoint.load_resumable(cfg.resume_from_checkpoint, cfg.output_dir)
         if path is not None:
-            state = checkpoint.load(path)
             if state.get("secret") is None:
                 raise WorkbenchError(f"checkpoint {str(path)!r} has no stream secret (a published copy?); "
                                      "resume from the run folder's own checkpoint")
