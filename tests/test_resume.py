@@ -218,3 +218,43 @@ def test_full_disk_is_one_line_and_keeps_the_last_good_checkpoint(tmp_path):
         assert not list((disk / "checkpoints").glob(".*tmp*"))
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root (CI runs as root to install SLURM: "
+                                                 "it runs there)")
+def test_a_disk_that_fills_mid_run_stops_it_with_exit_1_and_the_run_failed(tmp_path):
+    """The checkpoint folder's disk fills after the first checkpoint (a 4 kB tmpfs mounted over it mid-run): one line,
+    exit 1 (a run that started and had to stop, not bad input), the MLflow run FAILED, the earlier checkpoint whole."""
+    import subprocess
+    import sys
+    import time
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(checkpoint.Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1",
+           "WB_FETCH_SLEEP": "0.2", "MLFLOW_TRACKING_URI": uri}
+    proc = subprocess.Popen([sys.executable, "-m", "workbench", *ARGS, "data.train._target_=tests.plugins.SlowSynthetic",
+                             "max_steps=40", f"output_dir={run_dir}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    folder = run_dir / "checkpoints"
+    mounted = False
+    try:
+        while not (folder / "checkpoint-5.pt").exists():
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            time.sleep(0.05)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(folder)], check=True, capture_output=True)
+        mounted = True
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+        if mounted:
+            subprocess.run(["umount", str(folder)], check=True)
+    assert proc.returncode == 1, err[-2000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: checkpoint save at step 10 failed on rank 0: could not write "
+                                                   f"checkpoint {folder / 'checkpoint-10.pt'}: No space left on device")
+    assert checkpoint.load(folder / "checkpoint-5.pt")["step"] == 5
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])
+    assert run.info.status == "FAILED" and "No space left on device" in run.data.tags["error"]

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from workbench.errors import WorkbenchError
+from workbench.errors import TrainingStopped, WorkbenchError
 
 PREFIX = "checkpoint-"
 _STEP = re.compile(rf"^{PREFIX}(\d+)\.pt$")
@@ -51,7 +51,8 @@ def save(state: dict[str, Any], output_dir: str | Path, step: int, save_total_li
             raise
         previous = list_checkpoints(output_dir)
         kept = f"; the last good checkpoint is {previous[-1]}" if previous else ""
-        raise WorkbenchError(f"could not write checkpoint {path}: {cause.strerror or cause}{kept}") from None
+        # Saving happens only once training began: the run stops (exit 1, run FAILED), it is not bad input (exit 2).
+        raise TrainingStopped(f"could not write checkpoint {path}: {cause.strerror or cause}{kept}") from None
     finally:
         tmp.unlink(missing_ok=True)
     if save_total_limit is not None:
