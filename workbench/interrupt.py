@@ -63,10 +63,10 @@ def launched_by() -> list[str]:
     # `python -m torch.distributed.run ARGS -m workbench ...` or `[python] .../torchrun ARGS -m workbench ...`
     end = next((i for i in range(len(agent) - 1) if agent[i:i + 2] == ["-m", "workbench"]), None)
     start = next((i for i, a in enumerate(agent) if os.path.basename(a) == "torchrun"
-                  or agent[i - 1:i + 1] == ["-m", "torch.distributed.run"]), None)
+                  or agent[i - 1:i + 1] in (["-m", "torch.distributed.run"], ["-m", "workbench.torchrun"])), None)
     if end is None or start is None:
         return ["torchrun", f"--nproc-per-node={os.environ.get('LOCAL_WORLD_SIZE', 1)}", "-m", "workbench"]
-    prefix = ["torchrun"] if os.path.basename(agent[start]) == "torchrun" else [agent[0], "-m", "torch.distributed.run"]
+    prefix = ["torchrun"] if os.path.basename(agent[start]) == "torchrun" else [agent[0], "-m", agent[start]]
     return [*prefix, *agent[start + 1:end + 2]]
 
 
