@@ -332,8 +332,11 @@ def _blame_data(cfg: DictConfig, d: distributed.Dist, job: dict, step: int, erro
     when one example of the step's batch fails alone; return when none does (the error is not the data's)."""
     loader = job["loader"]
     name = f"data.train ({cfg.data.train.get('_target_', 'no _target_')})"
-    blamed = data_checks.blame_example(loader.dataset, loader.batch_sampler.indices_for_step(step), name, job["model"],
-                                       job["criterion"], d.device, job["collator"])
+    try:
+        blamed = data_checks.blame_example(loader.dataset, loader.batch_sampler.indices_for_step(step), name,
+                                           job["model"], job["criterion"], d.device, job["collator"])
+    except Exception:  # noqa: BLE001 - the search itself failed: the step's own error stands
+        return
     if blamed is not None:
         raise TrainingStopped(f"training stopped at step {step + 1}: {blamed}; checkpoints of earlier steps are kept") \
             from error
