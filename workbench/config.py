@@ -237,6 +237,7 @@ RANGES = {
     "launcher.nprocs": Range(1), "launcher.nodes": Range(1), "launcher.gpus_per_node": Range(0),
     "launcher.tasks_per_node": Range(1), "launcher.cpus_per_task": Range(1), "launcher.mem_gb": Range(0, low_open=True),
     "launcher.timeout_min": Range(1), "launcher.max_num_timeout": Range(0),
+    "tracking.flush_timeout": Range(0),  # seconds; nan would wait forever, inf crashes the wait
 }
 
 

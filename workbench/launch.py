@@ -80,9 +80,19 @@ class Job:
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        from workbench.interrupt import Interrupted, resume_hint
         from workbench.run import train
 
-        result = train(OmegaConf.create(self.cfg_yaml))
+        cfg = OmegaConf.create(self.cfg_yaml)
+        _end_on_cancel()
+        try:
+            result = train(cfg)
+        except Interrupted as e:  # scancelled: the run is KILLED already; the job log says how to resume
+            if env.global_rank == 0:
+                print(resume_hint(e, (cfg.tracking.tags.get("overrides") or "").split()), file=sys.stderr, flush=True)
+            logging.shutdown()
+            sys.stdout.flush()
+            os._exit(128 + e.signum)
         atexit.register(_exit_if_reported, env.paths.result_pickle)
         return {"rank": env.global_rank, "metrics": result.metrics, "epsilon": result.epsilon, "delta": result.delta,
                 "steps": result.steps, "run_id": result.run_id, "tracking_uri": result.tracking_uri, "audit": result.audit,
@@ -94,6 +104,55 @@ class Job:
         cfg = OmegaConf.create(self.cfg_yaml)
         cfg.resume_from_checkpoint = "latest_or_new"  # preempted before its first checkpoint: starts afresh
         return submitit.helpers.DelayedSubmission(Job(OmegaConf.to_yaml(cfg)))
+
+
+def _resumed_run(cfg: DictConfig, output_dir: Path) -> str | None:
+    """The MLflow run a resumed job continues (its checkpoint's): the submission marks that one, rather than make a
+    second run that the job would never use and leave SCHEDULED."""
+    if not cfg.resume_from_checkpoint:
+        return None
+    _, state = checkpoint.load_resumable(cfg.resume_from_checkpoint, output_dir)
+    return state.get("run_id") if state else None
+
+
+def _end_on_cancel() -> None:
+    """In a SLURM task submitit ignores SIGTERM ("Bypassing signal SIGTERM"): preemption signals with USR2, which it
+    answers by checkpointing and requeueing. But scancel sends SIGTERM alone, then SIGKILL after KillWait, which would
+    leave the MLflow run RUNNING forever. So on SIGTERM this task asks SLURM about its job: still RUNNING (submitit's
+    preemption, USR2 to follow) -> submitit's way; ending (cancelled, timed out, preempted) -> the run ends as an
+    interrupted CLI run does (KILLED, checkpoint whole, the resume hint)."""
+    import signal
+
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm" or not job_id:
+        return
+    submitits = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame):
+        if _slurm_state(job_id) in ("RUNNING", "SUSPENDED"):
+            if callable(submitits):
+                submitits(signum, frame)
+            return
+        from workbench.interrupt import Interrupted
+
+        signal.signal(signal.SIGTERM, submitits)  # the run is being ended: a second SIGTERM must not cut that short
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _slurm_state(job_id: str) -> str | None:
+    """JobState as slurmctld has it now (a cancelled job reads COMPLETING or CANCELLED); None if it cannot be asked:
+    then the run ends KILLED and resumable rather than stay RUNNING."""
+    import re
+    import subprocess
+
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=3).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"\bJobState=(\S+)", out)
+    return found.group(1) if found else None
 
 
 def _executor(cfg: DictConfig, folder: Path):
@@ -162,7 +221,7 @@ def submit(cfg: DictConfig) -> Any:
     if problem:
         raise WorkbenchError(problem)
     tracker.start({"launcher": cfg.launcher.name, "status": "submitted", **cfg.tracking.tags},
-                  sweep_dir=cfg.tracking.sweep_dir, pending=True)
+                  run_id=_resumed_run(cfg, output_dir), sweep_dir=cfg.tracking.sweep_dir, pending=True)
     cfg.tracking.run_id = tracker.run_id
     try:
         job = executor.submit(Job(OmegaConf.to_yaml(cfg, resolve=True)))

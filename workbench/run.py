@@ -21,7 +21,7 @@ from torch import nn
 
 from workbench import cache, checkpoint, config, data, data_checks, distributed, hf, privacy
 from workbench import callbacks as callbacks_
-from workbench.errors import WorkbenchError
+from workbench.errors import TrainingStopped, WorkbenchError
 from workbench.interrupt import Interrupted, ignore_further, signals_interrupt
 from workbench.models import prepare_model
 from workbench.tracking import end_if_abandoned, git_sha, make_tracker, ui_command
@@ -330,9 +330,8 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
     # Rank 0's secret for everyone: the sampling and noise streams must be unknowable from the logged config.
     secret = d.broadcast_object(p.secure_seed if p.secure_seed is not None else secrets.randbits(63))
     if cfg.resume_from_checkpoint:
-        path = checkpoint.resolve(cfg.resume_from_checkpoint, cfg.output_dir)
+        path, state = checkpoint.load_resumable(cfg.resume_from_checkpoint, cfg.output_dir)
         if path is not None:
-            state = checkpoint.load(path)
             if state.get("secret") is None:
                 raise WorkbenchError(f"checkpoint {str(path)!r} has no stream secret (a published copy?); "
                                      "resume from the run folder's own checkpoint")
@@ -365,8 +364,24 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
                 scheduler=scheduler, accountant=accountant, secret=secret, delta=delta, sigma=sigma, total_steps=total_steps,
                 expected_batch=expected_batch, start_step=start_step, resume_run_id=resume_run_id, digest=digest,
                 loader=data.train_loader(train_set, sampler, cfg, d.device, collator), eval_loader=eval_loader,
-                metrics_fn=metrics_fn, canaries=canaries, callbacks=job_callbacks, fixed_modules=fixed,
+                metrics_fn=metrics_fn, canaries=canaries, callbacks=job_callbacks, fixed_modules=fixed, collator=collator,
                 autocast_dtype=autocast_dtype)
+
+
+def _blame_data(cfg: DictConfig, d: distributed.Dist, job: dict, step: int, error: Exception) -> None:
+    """A step that raised (not one that went non-finite): data that turned bad past the examples the pre-run check
+    read (a label out of range, another width, a record that cannot be read). Raise one line naming the dataset index
+    when one example of the step's batch fails alone; return when none does (the error is not the data's)."""
+    loader = job["loader"]
+    name = f"data.train ({cfg.data.train.get('_target_', 'no _target_')})"
+    try:
+        blamed = data_checks.blame_example(loader.dataset, loader.batch_sampler.indices_for_step(step), name,
+                                           job["model"], job["criterion"], d.device, job["collator"])
+    except Exception:  # noqa: BLE001 - the search itself failed: the step's own error stands
+        return
+    if blamed is not None:
+        raise TrainingStopped(f"training stopped at step {step + 1}: {blamed}; checkpoints of earlier steps are kept") \
+            from error
 
 
 def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str | None, output_dir: Path) -> TrainResult:
@@ -393,7 +408,13 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
     trainer = Trainer(cfg, d, model, job["step_fn"], job["optimizer"], job["scheduler"], job["loader"],
                       evaluator or (lambda: {}), accountant, delta, tracker, job["expected_batch"],
                       job["shard"].population, job["total_steps"], job["start_step"], save, job["callbacks"])
-    steps = trainer.fit()
+    try:
+        steps = trainer.fit()
+    except Exception as e:
+        if isinstance(e, WorkbenchError) or trainer.failed_step is None:
+            raise
+        _blame_data(cfg, d, job, trainer.failed_step, e)
+        raise
     metrics = evaluator() if evaluator is not None else {}
     summary = {"steps": steps, "sample_rate": job["shard"].sample_rate, "world_size": d.world_size}
     epsilon = None

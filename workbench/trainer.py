@@ -302,6 +302,7 @@ class Trainer:
         self.population = population
         self.expected_batch, self.total_steps, self.start_step, self.save_fn = expected_batch, total_steps, start_step, save_fn
         self.history = History()
+        self.failed_step: int | None = None
 
     def _stop_if_not_finite(self, step: int) -> None:
         """Stop on NaN/inf in what the step released: the noised update and the new parameters. Reading them is
@@ -362,6 +363,9 @@ class Trainer:
             self.callbacks.on_train_end(step)
         except KeyboardInterrupt as e:  # SIGINT / SIGTERM (workbench.interrupt): say where the run stopped
             e.step = step
+            raise
+        except Exception:
+            self.failed_step = step  # the step whose batch failed: the job looks for a bad example in it
             raise
         finally:
             self.history = logger.close()
