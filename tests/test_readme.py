@@ -36,7 +36,7 @@ def test_make_targets_and_files_the_docs_name_exist():
     targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.M))
     assert {c.split()[1] for c in COMMANDS if c.startswith("make ")} <= targets
     assert "$(VENV)" in (REPO / "Makefile").read_text() and ".venv" in README  # the venv the README activates
-    for doc in ("README.md", "Makefile", "docs/API.md"):
+    for doc in ("README.md", "Makefile", "docs/API.md", "docs/DESIGN.md"):
         text = (REPO / doc).read_text()
         named = set(re.findall(r"(?<![\w/.:$<])((?:[\w.-]+/)+[\w.-]+\.(?:py|md|ipynb|png|json|sh|yaml))\b", text))
         missing = sorted(p for p in named if not (REPO / p).exists())

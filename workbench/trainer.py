@@ -1,4 +1,4 @@
-"""The DP-SGD training loop (the privacy contract of DESIGN.md, step by step).
+"""The DP-SGD training loop (the privacy contract of docs/DESIGN.md, step by step).
 
 Every logical step, on every rank, whatever its Poisson batch (even empty):
   1. per-sample gradients of the local batch, in physical micro-batches of at most ``max_physical_batch_size``;
