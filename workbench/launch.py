@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from workbench import checkpoint, config
 from workbench.errors import WorkbenchError
 from workbench.tracking import scrub
+from workbench.world_size import local_gpus, planned_world_size, slurm_tasks_per_node
 
 log = logging.getLogger("workbench")
 
@@ -49,8 +50,9 @@ def launch(cfg: DictConfig) -> Any:
     hydra_context(cfg)
     if cfg.launcher.name == "inline":
         from workbench.run import train
+        from workbench.sweep import job_ended
 
-        return train(cfg)
+        return train(cfg, on_end=job_ended)
     return submit(cfg)
 
 
@@ -82,11 +84,12 @@ class Job:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         from workbench.interrupt import Interrupted, resume_hint
         from workbench.run import train
+        from workbench.sweep import job_ended
 
         cfg = OmegaConf.create(self.cfg_yaml)
         _end_on_cancel()
         try:
-            result = train(cfg)
+            result = train(cfg, on_end=job_ended)
         except Interrupted as e:  # scancelled: the run is KILLED already; the job log says how to resume
             if env.global_rank == 0:
                 print(resume_hint(e, (cfg.tracking.tags.get("overrides") or "").split()), file=sys.stderr, flush=True)
@@ -163,12 +166,12 @@ def _executor(cfg: DictConfig, folder: Path):
         nprocs = planned_world_size(cfg)
         executor = submitit.LocalExecutor(folder=str(folder))
         executor.update_parameters(tasks_per_node=nprocs, nodes=1, timeout_min=lc.timeout_min,
-                                   gpus_per_node=_local_gpus() and nprocs)
+                                   gpus_per_node=local_gpus() and nprocs)
         return executor
     if shutil.which("sbatch") is None:
         raise WorkbenchError("launcher=slurm needs SLURM's sbatch on PATH, and there is none on this machine; "
                              "use launcher=local or launcher=inline")
-    tasks = _slurm_tasks_per_node(lc)
+    tasks = slurm_tasks_per_node(lc)
     executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=lc.max_num_timeout)
     params: dict[str, Any] = dict(nodes=lc.nodes, ntasks_per_node=tasks, time=lc.timeout_min,
                                   setup=list(lc.setup), additional_parameters=dict(lc.additional_parameters),
@@ -184,26 +187,6 @@ def _executor(cfg: DictConfig, folder: Path):
             params[key] = lc[key]
     executor.update_parameters(**params)
     return executor
-
-
-def _slurm_tasks_per_node(lc: DictConfig) -> int:
-    return lc.tasks_per_node or (lc.gpus_per_node if lc.gpus_per_node else 1)
-
-
-def planned_world_size(cfg: DictConfig) -> int:
-    """The number of processes the launcher starts for one job (a sweep bounds its points with it before they run)."""
-    lc = cfg.launcher
-    if lc.name == "local":
-        return lc.nprocs or _local_gpus() or 2
-    if lc.name == "slurm":
-        return lc.nodes * _slurm_tasks_per_node(lc)
-    return int(os.environ.get("WORLD_SIZE", "1"))  # inline: this process, or the group torchrun/srun started
-
-
-def _local_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def submit(cfg: DictConfig) -> Any:

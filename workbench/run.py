@@ -26,9 +26,10 @@ from workbench.interrupt import Interrupted, ignore_further, signals_interrupt
 from workbench.models import prepare_model
 from workbench.tracking import end_if_abandoned, git_sha, make_tracker, ui_command
 from workbench.trainer import CHECK_EXAMPLES, Evaluator, GradientStep, History, Trainer, lr_lambda
+from workbench.world_size import planned_world_size
 
 if TYPE_CHECKING:  # audit=canaries only: scipy.stats is most of a second to import
-    from workbench.audit import AuditResult
+    from workbench.audit_bound import AuditResult
 
 log = logging.getLogger("workbench")
 
@@ -98,15 +99,19 @@ def _quiet_unless(should_log: bool) -> None:
         warnings.simplefilter("ignore")
 
 
-def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: list | None = None) -> TrainResult:
+def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: list | None = None,
+          on_end: Callable[[DictConfig], None] | None = None) -> TrainResult:
     """Run one job in this process (joining the job's process group when there is one). ``callbacks``: objects with
-    ``on_step_end(state)`` and friends (workbench/callbacks.py), after those in ``cfg.callbacks``."""
+    ``on_step_end(state)`` and friends (workbench/callbacks.py), after those in ``cfg.callbacks``. ``on_end(cfg)``:
+    called once the job has ended, however it ended, where it made an MLflow run (rank 0); what launches the job
+    passes it (a sweep's point summarises its sweep, workbench/sweep.py), so the job never imports the layers above."""
     config.validate(cfg)
     with signals_interrupt():
-        return _train(cfg, compute_metrics, callbacks)
+        return _train(cfg, compute_metrics, callbacks, on_end)
 
 
-def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | None) -> TrainResult:
+def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | None,
+           on_end: Callable[[DictConfig], None] | None) -> TrainResult:
     d = distributed.setup(cfg.ddp_backend, cfg.ddp_timeout, cfg.log_on_each_node, cfg.save_on_each_node)
     tracker = None
     run_id = None
@@ -148,8 +153,8 @@ def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | 
         raise
     finally:
         distributed.teardown(d)
-        if tracker is not None and tracker.run_id and cfg.tracking.sweep_dir:
-            _sweep_point_ended(cfg.tracking.sweep_dir)
+        if tracker is not None and tracker.run_id and on_end is not None:
+            _job_ended(on_end, cfg)
 
 
 def training_sets(cfg: DictConfig) -> tuple[Any, Any, Any]:
@@ -211,8 +216,6 @@ def planned_mechanism(cfg: DictConfig) -> dict[str, Any]:
     """What a run of `cfg` would spend, from its config alone (the training set is built for its size, nothing
     trains): the fields of its ``workbench.dp_event`` tag, or ``{"private": False}``. The world size is the one its
     launcher asks for. Raises WorkbenchError when the run would be refused."""
-    from workbench.launch import planned_world_size
-
     world_size = planned_world_size(cfg)
     _, train_set, _ = training_sets(cfg)
     shard = data.train_shard(data.check_dataset(train_set, "training"), 0, world_size, cfg.ddp_shard,
@@ -253,14 +256,12 @@ def _refuse_everywhere(d: distributed.Dist, check: Callable[[], str | None]) -> 
         raise WorkbenchError(problem)
 
 
-def _sweep_point_ended(sweep_dir: str) -> None:
-    """The last point of a sweep whose driver has left summarises it (workbench/sweep.py); never fails the run."""
-    from workbench import sweep
-
+def _job_ended(on_end: Callable[[DictConfig], None], cfg: DictConfig) -> None:
+    """The launcher's job-end hook; never fails the run (its outcome is already decided)."""
     try:
-        sweep.point_ended(sweep_dir)
+        on_end(cfg)
     except Exception as e:  # noqa: BLE001
-        log.warning("could not summarise the sweep in %s: %s", sweep_dir, e)
+        log.warning("the job-end hook %s failed: %s", getattr(on_end, "__name__", on_end), e)
 
 
 def _autocast_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype | None:
