@@ -270,8 +270,9 @@ LESSONS = [
     "work loaded the machine.",
     "End to end, the default job also does what the raw Opacus script does not: MLflow (run, metrics, artifacts, in "
     "the worker), eval, the checkpoint, the epsilon-curve picture and Hydra's composition.",
-    "Retired candidate `norm_clip` (vector_norm + addmv_ for the per-sample-gradient modes) left "
-    "`benchmarks/candidates.py`: it is the code of `workbench.clipping.opacus_modes` now.",
+    "Retired candidate `norm_clip` (vector_norm + addmv_ for the per-sample-gradient modes) is the code of "
+    "`workbench.clipping.opacus_modes` now; the candidates benchmark that measured it (and two fixes never ported: "
+    "caching dp_accounting's self-convolution bounds, glibc's mallopt) has been removed.",
 ]
 
 
