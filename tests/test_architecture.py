@@ -31,3 +31,18 @@ def test_the_contract_refuses_a_job_that_imports_the_sweep(tmp_path):
     run.write_text(run.read_text() + "\n\ndef _upward():\n    from workbench import sweep  # noqa: F401\n")
     proc = _lint_imports(tmp_path)
     assert proc.returncode != 0 and "workbench.run -> workbench.sweep" in proc.stdout, proc.stdout[-4000:]
+
+
+def test_the_old_clipping_path_is_the_same_modules():
+    """workbench/clipping/ moved to workbench/privacy/clipping/; the old import path names the very same modules."""
+    import workbench.clipping
+    import workbench.clipping.book_keeping
+    import workbench.privacy.clipping
+    import workbench.privacy.clipping.book_keeping
+    from workbench.clipping import fastest_grad_sample_mode
+    from workbench.clipping.bound import RHO
+
+    assert workbench.clipping is workbench.privacy.clipping
+    assert workbench.clipping.book_keeping is workbench.privacy.clipping.book_keeping
+    assert fastest_grad_sample_mode is workbench.privacy.clipping.fastest_grad_sample_mode
+    assert RHO is workbench.privacy.clipping.bound.RHO

@@ -96,7 +96,7 @@ def test_models_dp_cannot_handle_are_refused_with_a_fix():
 
 def test_auto_grad_sample_mode_picks_the_fastest_that_fits():
     from workbench.models import MLP, SmallCNN
-    from workbench.clipping import fastest_grad_sample_mode
+    from workbench.privacy.clipping import fastest_grad_sample_mode
 
     assert fastest_grad_sample_mode(MLP()) == "bk"
     assert fastest_grad_sample_mode(SmallCNN()) == "bk"
@@ -248,7 +248,7 @@ class _CentredLogits(nn.Module):
     (_Lora, torch.randn(13, 6), "no rule for _Lora"),
 ])
 def test_book_keeping_refuses_what_it_would_clip_wrong(model, x, message):
-    from workbench.clipping import fastest_grad_sample_mode
+    from workbench.privacy.clipping import fastest_grad_sample_mode
 
     y = torch.randint(0, 3, (13,))
     with pytest.raises(WorkbenchError, match=message):

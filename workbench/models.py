@@ -150,7 +150,7 @@ def prepare_model(model: nn.Module, private: bool, fix: bool = True) -> tuple[nn
         raise WorkbenchError("torch.nn.DataParallel is refused: use launcher=local (one process per device) instead")
     if not private:
         return model, []
-    from workbench.clipping import book_keeping
+    from workbench.privacy.clipping import book_keeping
 
     layers = book_keeping.trainable_layers(model)
     if layers and book_keeping.refusal(layers) is None:

@@ -22,7 +22,7 @@ import contextlib
 import torch
 from torch import nn
 
-from workbench import clipping
+from workbench.privacy import clipping
 from workbench.data import Batch, as_batch, step_generator
 from workbench.distributed import Dist, pad_concat
 from workbench.errors import TrainingStopped, WorkbenchError
