@@ -4,7 +4,6 @@
     python -m benchmarks --quick    # CI-sized (about 2 min on 2 cores)
     python -m benchmarks --quick --out /tmp/bench --only accounting,startup
     python -m benchmarks --render   # re-write RESULTS.md from results.json (no measuring)
-    python -m benchmarks.candidates [--quick]   # candidate fixes for workbench vs the current code, printed
 
 Run from the repository root: opacus installs an unrelated top-level ``benchmarks`` package into site-packages.
 

@@ -3,7 +3,7 @@ clipping code from before it, on every preset, in one run.
 
     python -m benchmarks.fp_bound [--quick] [--before REV]   # writes benchmarks/fp_bound.json and FP_BOUND.md
 
-``before`` is ``workbench/clipping/`` as it was at REV (default: the last commit before the bound), read from git and
+``before`` is the clipping package (``workbench/privacy/clipping/``, ``workbench/clipping/`` before it moved) as it was at REV (default: the last commit before the bound), read from git and
 imported under another package name; both strategies clip the same model inside the same GradientStep (the step, the
 noise and the all-reduce are shared code), fed the same Poisson batches, interleaved round-robin with the order reversed
 on every repeat, one thread. The ratio after / before is the bound's cost; the target is >= 0.95x.
@@ -28,16 +28,19 @@ TARGET = 0.95
 
 
 def load_before(rev: str, into: Path):
-    """``workbench/clipping`` at ``rev`` as the package ``PACKAGE`` (its own imports rewritten to it)."""
-    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:workbench/clipping"], cwd=REPO, check=True,
+    """The clipping package at ``rev`` as the package ``PACKAGE`` (its own imports rewritten to it)."""
+    folder = "workbench/privacy/clipping"  # before the move: workbench/clipping
+    if subprocess.run(["git", "cat-file", "-e", f"{rev}:{folder}"], cwd=REPO, capture_output=True).returncode:
+        folder = "workbench/clipping"
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{folder}"], cwd=REPO, check=True,
                            capture_output=True, text=True).stdout.split()
     pkg = into / PACKAGE
     pkg.mkdir()
     for name in names:
         if name.endswith(".py"):
-            text = subprocess.run(["git", "show", f"{rev}:workbench/clipping/{name}"], cwd=REPO, check=True,
+            text = subprocess.run(["git", "show", f"{rev}:{folder}/{name}"], cwd=REPO, check=True,
                                   capture_output=True, text=True).stdout
-            (pkg / name).write_text(text.replace("workbench.clipping", PACKAGE))
+            (pkg / name).write_text(text.replace(folder.replace("/", "."), PACKAGE))
     sys.path.insert(0, str(into))
     import importlib
 

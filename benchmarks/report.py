@@ -244,7 +244,7 @@ def render(results: dict, mode: str, command: str, machine: dict, total_s: float
 # What earlier rounds measured and learnt (issue 10's hand-recorded runs, retired candidates): kept while still true.
 LESSONS = [
     "Book-keeping (`bk`) takes each layer call's output gradient as it arrives in the backward (no weight-gradient "
-    "pass) and picks a route per call by memory (`workbench/clipping/layers.py`): where the per-sample gradients are no "
+    "pass) and picks a route per call by memory (`workbench/privacy/clipping/layers.py`): where the per-sample gradients are no "
     "larger than the layer's input and output gradient (convolutions, sequences through narrow Linears, LoRA, "
     "normalisation affine parameters) it forms them at once (convolutions by torch's weight-gradient kernel with the "
     "examples folded into groups, 2-6x faster than unfold + bmm on the ResNet's layers; sequences by one bmm) and the "
@@ -270,8 +270,9 @@ LESSONS = [
     "work loaded the machine.",
     "End to end, the default job also does what the raw Opacus script does not: MLflow (run, metrics, artifacts, in "
     "the worker), eval, the checkpoint, the epsilon-curve picture and Hydra's composition.",
-    "Retired candidate `norm_clip` (vector_norm + addmv_ for the per-sample-gradient modes) left "
-    "`benchmarks/candidates.py`: it is the code of `workbench.clipping.opacus_modes` now.",
+    "Retired candidate `norm_clip` (vector_norm + addmv_ for the per-sample-gradient modes) is the code of "
+    "`workbench.privacy.clipping.opacus_modes` now; the candidates benchmark that measured it (and two fixes never ported: "
+    "caching dp_accounting's self-convolution bounds, glibc's mallopt) has been removed.",
 ]
 
 

@@ -61,7 +61,7 @@ def make_model(name: str) -> nn.Module:
 
 def fastest_mode(name: str) -> str:
     """What ``grad_sample_mode=auto`` picks for preset ``name``'s model."""
-    from workbench.clipping import fastest_grad_sample_mode
+    from workbench.privacy.clipping import fastest_grad_sample_mode
 
     return fastest_grad_sample_mode(make_model(name))
 

@@ -66,60 +66,60 @@ MUTANTS = (
            "world_size, cfg.ddp_shard)",
            ("tests/test_distributed.py::test_parameters_stay_identical_and_only_rank_zero_tracks",)),
     Mutant("clip-per-layer", "each parameter's per-example gradient is clipped to C on its own, not the whole flat one",
-           "workbench/clipping/opacus_modes.py", "torch.mv(gs.t(), factor.to(gs.dtype))",
+           "workbench/privacy/clipping/opacus_modes.py", "torch.mv(gs.t(), factor.to(gs.dtype))",
            "torch.mv(gs.t(), (self.clip / (torch.linalg.vector_norm(gs, dim=1) + 1e-6)).clamp(max=1.0))",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear-hooks]",)),
     Mutant("bk-norm-without-bias", "book-keeping leaves the bias out of each example's norm: under-clipped examples",
-           "workbench/clipping/layers.py", "(1.0 if \"bias\" in names else 0.0)", "0.0",
+           "workbench/privacy/clipping/layers.py", "(1.0 if \"bias\" in names else 0.0)", "0.0",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear-bk]",)),
     Mutant("bk-check-skips-one-example", "book-keeping's pre-run check compares nothing on one example: a weight "
            "used outside its layer trains with micro-batches of one",
-           "workbench/clipping/book_keeping.py", "        for k in range(n):", "        for k in range(n if n > 1 else 0):",
+           "workbench/privacy/clipping/book_keeping.py", "        for k in range(n):", "        for k in range(n if n > 1 else 0):",
            ("tests/test_clipping.py::test_a_weight_used_outside_its_layer_is_refused_one_example_at_a_time[bk]",)),
     Mutant("non-finite-factor-kept", "an example whose norm is NaN keeps a NaN clip factor: one example's data makes "
            "the release non-finite (an event seen without noise)",
-           "workbench/clipping/bound.py", "ok = factor >= TINY_FACTOR", "ok = ~(factor < TINY_FACTOR)",
+           "workbench/privacy/clipping/bound.py", "ok = factor >= TINY_FACTOR", "ok = ~(factor < TINY_FACTOR)",
            ("tests/test_clipping.py::test_an_example_with_a_non_finite_gradient_contributes_zero_and_the_others_are_"
             "unchanged[hooks-nan]",)),
     Mutant("non-finite-rows-summed-bk", "a zeroed example's inf rows still enter bk's clipped sum: 0 * inf = NaN",
-           "workbench/clipping/book_keeping.py", "t = t if rows is None else zero_rows(t, rows)", "t = t",
+           "workbench/privacy/clipping/book_keeping.py", "t = t if rows is None else zero_rows(t, rows)", "t = t",
            ("tests/test_clipping.py::test_an_example_with_a_non_finite_gradient_contributes_zero_and_the_others_are_"
             "unchanged[bk-nan]",)),
     Mutant("non-finite-rows-summed-opacus", "a zeroed example's inf rows still enter the hooks sum: 0 * inf = NaN",
-           "workbench/clipping/opacus_modes.py", "gs = gs if rows is None else zero_rows(gs, rows)", "gs = gs",
+           "workbench/privacy/clipping/opacus_modes.py", "gs = gs if rows is None else zero_rows(gs, rows)", "gs = gs",
            ("tests/test_clipping.py::test_an_example_with_a_non_finite_gradient_contributes_zero_and_the_others_are_"
             "unchanged[hooks-overflow]",)),
     # issue 19: each route's factor recomputed from another precision or quantity than what its kernel sums
     Mutant("fp-conv-kept-norm-without-kernel-error", "the conv kept/Gram route clips against its float64 norm alone: "
            "the float32 kernel's rounding of cancelling terms escapes the clip",
-           "workbench/clipping/layers.py", "err += (formed + kernel) * magnitude", "err += 0 * magnitude",
+           "workbench/privacy/clipping/layers.py", "err += (formed + kernel) * magnitude", "err += 0 * magnitude",
            (FP_CANCEL + "[conv1x1_kept]", FP_CANCEL + "[patch_embedding]")),
     Mutant("fp-linear-seq-norm-without-kernel-error", "the Linear sequence kept route clips against the float32 "
            "per-sample norm, not the matmul's sum",
-           "workbench/clipping/layers.py", "scale = (gamma(steps + 1) + gamma(kernel_depth(batch, steps)))",
+           "workbench/privacy/clipping/layers.py", "scale = (gamma(steps + 1) + gamma(kernel_depth(batch, steps)))",
            "scale = 0 * (gamma(steps + 1) + gamma(kernel_depth(batch, steps)))", (FP_CANCEL + "[linear_seq_kept]",)),
     Mutant("fp-embedding-norm-without-kernel-error", "Embedding clips against float64 row sums, not the float32 "
-           "index_add_ that sums them", "workbench/clipping/layers.py",
+           "index_add_ that sums them", "workbench/privacy/clipping/layers.py",
            "magnitude.mul_((gamma(steps, U64) + gamma(kernel_depth(batch, steps))) * scale)",
            "magnitude.mul_(0 * scale)", (FP_CANCEL + "[embedding]",)),
     Mutant("fp-linear-rows-norm-in-bf16", "the Linear rows route's norms from bf16-rounded inputs: rounded down, an "
-           "example escapes the clip", "workbench/clipping/layers.py", "aa = torch.linalg.vecdot(a, a)", "aa = torch.linalg.vecdot(a.bfloat16(), a.bfloat16()).float()",
+           "example escapes the clip", "workbench/privacy/clipping/layers.py", "aa = torch.linalg.vecdot(a, a)", "aa = torch.linalg.vecdot(a.bfloat16(), a.bfloat16()).float()",
            (FP_FUZZ,)),
     Mutant("fp-materialised-norm-in-bf16", "formed per-sample gradients (bk's formed routes, hooks, functorch, ew) "
-           "clipped by a bf16 norm, not the float32 values summed", "workbench/clipping/bound.py",
+           "clipped by a bf16 norm, not the float32 values summed", "workbench/privacy/clipping/bound.py",
            "    b = squares(t)\n", "    b = squares(t.bfloat16())\n", (FP_FUZZ,)),
     Mutant("fp-ill-conditioned-in-batch-kernels", "examples whose float32 sums are mostly rounding stay in the batch "
-           "kernels, where their share of the rounding moves with their batch-mates", "workbench/clipping/bound.py",
+           "kernels, where their share of the rounding moves with their batch-mates", "workbench/privacy/clipping/bound.py",
            "        ok &= ~ill\n", "        pass\n",
            ("tests/test_fp_bound.py::test_removing_one_example_moves_the_release_by_at_most_its_clipped_contribution[3]",
             "tests/test_fp_bound.py::test_removing_one_example_moves_the_release_by_at_most_its_clipped_contribution"
             "[512]")),
     Mutant("fp-factor-depends-on-the-draw", "the kernels' rounding margins use the number of examples drawn, not the "
-           "public micro-batch bound", "workbench/clipping/book_keeping.py", "bound_n = max(n, self.max_batch)",
+           "public micro-batch bound", "workbench/privacy/clipping/book_keeping.py", "bound_n = max(n, self.max_batch)",
            "bound_n = n", ("tests/test_fp_bound.py::test_an_examples_clip_factor_does_not_depend_on_how_many_others_"
                            "were_drawn",)),
     Mutant("fp-huge-gradient-dropped", "a finite gradient past float32's squares contributes 0 instead of C",
-           "workbench/clipping/bound.py", "    if top == 0.0:\n        return", "    if True:\n        return",
+           "workbench/privacy/clipping/bound.py", "    if top == 0.0:\n        return", "    if True:\n        return",
            ("tests/test_fp_bound.py::test_a_finite_gradient_past_float32s_squares_is_clipped_to_c_not_dropped[bk]",
             "tests/test_fp_bound.py::test_a_finite_gradient_past_float32s_squares_is_clipped_to_c_not_dropped[hooks]")),
     Mutant("pinned-seed-logged", "a pinned secure_seed reaches MLflow's params unredacted",

@@ -44,6 +44,14 @@ def batchnorm_mlp(in_features=64, hidden=(128,), num_classes=10):
                          nn.Linear(hidden[0], num_classes))
 
 
+def lone_groupnorm_mlp(in_features=64, hidden=32, num_classes=10):
+    """A model that cannot learn: GroupNorm(C, C) on (N, C) features normalises each value alone (always 0)."""
+    from torch import nn
+
+    return nn.Sequential(nn.Linear(in_features, hidden), nn.GroupNorm(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, num_classes))
+
+
 def functional_weight_mlp(in_features=64, hidden=(128,), num_classes=10):
     """A model per-sample clipping would get wrong: the first layer's weight is also used outside that layer's call,
     which no layer-level check can see (grad_sample_mode=bk refuses it on a real batch before training)."""
@@ -164,3 +172,23 @@ class ModulesAtExit:
         from pathlib import Path
 
         Path("modules-at-exit.txt").write_text(" ".join(m for m in ("mlflow", "matplotlib") if m in sys.modules))
+
+
+class LateFlawData(torch.utils.data.Dataset):
+    """A streamed dataset (read example by example, nothing in memory for a full scan) whose examples from index
+    `bad_from` on carry a `flaw` the pre-run check cannot see, as a user's data on disk might: `label` (12 of 10
+    classes), `width` (32 features for a 64-wide model) or `unreadable` (reading it raises)."""
+
+    def __init__(self, flaw: str, bad_from: int = 100, size: int = 2048, seed: int = 0):
+        self.inner, self.flaw, self.bad_from = Synthetic(size=size, seed=seed), flaw, bad_from
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        x, y = self.inner.tensors[0][i], self.inner.tensors[1][i]
+        if i >= self.bad_from:
+            if self.flaw == "unreadable":
+                raise ValueError(f"record {i}: bad CRC")
+            x, y = (x[:32], y) if self.flaw == "width" else (x, torch.tensor(12))
+        return x, y

@@ -93,7 +93,7 @@ def test_ideal_bound_grows_as_the_noise_falls():
 import torch  # noqa: E402
 
 from tests.oracle import CLIPPED_RTOL  # noqa: E402
-from workbench.clipping.bound import RHO  # noqa: E402
+from workbench.privacy.clipping.bound import RHO  # noqa: E402
 from torch import nn  # noqa: E402
 
 from workbench.canaries import BLOCK, CanaryAudit  # noqa: E402

@@ -7,9 +7,9 @@ from torch import nn
 import torch.nn.functional as F
 
 from tests.oracle import CLIPPED_RTOL
-from workbench.clipping import fastest_grad_sample_mode
-from workbench.clipping.bound import RHO
-from workbench.clipping.layers import ConvRule, LinearRule
+from workbench.privacy.clipping import fastest_grad_sample_mode
+from workbench.privacy.clipping.bound import RHO
+from workbench.privacy.clipping.layers import ConvRule, LinearRule
 from workbench.distributed import setup
 from workbench.errors import WorkbenchError
 from workbench.models import TinyTransformer

@@ -135,7 +135,7 @@ def test_pairs_of_examples_are_included_together_q_squared_of_the_time():
 
 def test_global_shard_multiplicity_is_binomial_w_q():
     """shard=global: each rank samples all N independently, so an example's multiplicity in a step is
-    K ~ Binomial(W, q_r) - the mixture the accountant charges for (DESIGN.md)."""
+    K ~ Binomial(W, q_r) - the mixture the accountant charges for (docs/DESIGN.md)."""
     from scipy import stats
 
     world_size = 3

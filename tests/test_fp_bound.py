@@ -1,5 +1,5 @@
 """The floating-point bound, attacked: each example's contribution as actually added to the step's sum has norm
-<= C (1 + RHO) in every mode, route and precision, for inputs crafted to stress rounding (workbench/clipping/bound.py).
+<= C (1 + RHO) in every mode, route and precision, for inputs crafted to stress rounding (workbench/privacy/clipping/bound.py).
 
 Property-based (hypothesis): a layer under test (every kind bk and Opacus' modes accept, on each of bk's routes) x
 every mode that accepts it x fp32/bf16 x an input pattern (plain, cancelling across positions, one huge coordinate,
@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
-from workbench.clipping.bound import RHO
+from workbench.privacy.clipping.bound import RHO
 from workbench.distributed import setup
 from workbench.errors import WorkbenchError
 from workbench.trainer import GradientStep
@@ -343,7 +343,7 @@ def test_bf16_and_float64_parameters_keep_the_bound(dtype, mode):
 def test_an_examples_clip_factor_does_not_depend_on_how_many_others_were_drawn(monkeypatch):
     """The rounding margins use public depths (max_physical_batch_size, chunked kernels), never the number of examples
     in the micro-batch: otherwise every example's factor would move with its batch-mates' membership."""
-    import workbench.clipping.book_keeping as book_keeping
+    import workbench.privacy.clipping.book_keeping as book_keeping
 
     factors = []
     real = book_keeping.clip_factors

@@ -9,7 +9,7 @@ import torch
 from mlflow import MlflowClient
 
 from tests.conftest import run_cli
-from workbench.clipping import fastest_grad_sample_mode
+from workbench.privacy.clipping import fastest_grad_sample_mode
 from workbench.data import CIFAR10, SyntheticImages
 from workbench.errors import WorkbenchError
 from workbench.models import ResNet

@@ -150,3 +150,50 @@ def test_hydra_submitit_plugin_jobs_detect_their_ranks(request, tmp_path, plugin
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     assert len(children) == 1  # every rank ran the task function, one run per job
     assert children[0].info.status == "FINISHED" and children[0].data.metrics["world_size"] == 2
+
+
+def test_a_scancelled_job_ends_its_run_killed_and_its_log_says_how_to_resume(slurm_cluster, tmp_path):
+    """scancel sends SIGTERM (no USR2) and SIGKILL after KillWait; submitit ignores SIGTERM in its tasks. The run must
+    end KILLED, not stay RUNNING, with the resume hint in rank 0's job log; the hint, run as printed, finishes it."""
+    import re
+    import shlex
+    import subprocess
+    import sys
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir = tmp_path / "run"
+    env = slurm_cluster.env({**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                             "MLFLOW_TRACKING_URI": uri, "WB_FETCH_SLEEP": "0.15"})
+    proc = run_cli("launcher=slurm", "launcher.tasks_per_node=2", "backend=gloo", "launcher.wait=false",
+                   "experiment=quick", "data.train._target_=tests.plugins.SlowSynthetic", "max_steps=60", "save_steps=5",
+                   "disable_tqdm=true", f"output_dir={run_dir}", cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    job_id = proc.stdout.split("submitted job ")[1].split()[0]
+    while not checkpoint.list_checkpoints(run_dir):  # polled on state; pytest-timeout bounds a hang
+        assert slurm_cluster.job_state(job_id).split()[0] in ("PENDING", "RUNNING"), slurm_cluster.job_state(job_id)
+        time.sleep(0.2)
+    subprocess.run(["scancel", job_id], env=env, check=True)
+    while slurm_cluster.run_cmd("squeue", "-h", "-j", job_id, check=False).stdout.strip():  # until every task is gone
+        time.sleep(0.2)
+    sacct = slurm_cluster.run_cmd("sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State", check=False).stdout
+    assert sacct.startswith("CANCELLED"), sacct
+
+    client, runs = _runs(uri)
+    assert [r.info.status for r in runs] == ["KILLED"] and runs[0].data.tags["status"] == "killed"
+    log = (run_dir / "submitit" / f"{job_id}_0_log.err").read_text()
+    hint = re.search(r"^interrupted at step \d+ by SIGTERM; resume with: (.*)$", log, re.M)
+    assert hint, log[-3000:]
+    assert "launcher=slurm" in hint.group(1) and hint.group(1).endswith(f"output_dir={run_dir} resume_from_checkpoint=latest")
+    newest = checkpoint.list_checkpoints(run_dir)[-1]
+    assert checkpoint.load(newest)["step"] == int(newest.stem.split("-")[1])  # whole
+
+    assert hint.group(1).startswith("python -m workbench ")  # run as the user would, with this environment's python
+    command = shlex.quote(sys.executable) + hint.group(1)[len("python"):]
+    resumed = subprocess.run(["sh", "-c", command], cwd=tmp_path, env={**env, "WB_FETCH_SLEEP": "0"},
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    second = resumed.stdout.split("submitted job ")[1].split()[0]
+    assert slurm_cluster.wait_state(second, "COMPLETED", timeout=120).startswith("COMPLETED")
+    _, runs = _runs(uri)
+    assert [r.info.status for r in runs] == ["FINISHED"]  # the same run, continued to the end
+    assert checkpoint.load(checkpoint.list_checkpoints(run_dir)[-1])["step"] == 60

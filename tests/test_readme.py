@@ -3,6 +3,7 @@ repository, and a run creates the folders it says (one of its commands run verba
 
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -36,7 +37,7 @@ def test_make_targets_and_files_the_docs_name_exist():
     targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.M))
     assert {c.split()[1] for c in COMMANDS if c.startswith("make ")} <= targets
     assert "$(VENV)" in (REPO / "Makefile").read_text() and ".venv" in README  # the venv the README activates
-    for doc in ("README.md", "Makefile", "docs/API.md"):
+    for doc in ("README.md", "Makefile", "docs/API.md", "docs/DESIGN.md"):
         text = (REPO / doc).read_text()
         named = set(re.findall(r"(?<![\w/.:$<])((?:[\w.-]+/)+[\w.-]+\.(?:py|md|ipynb|png|json|sh|yaml))\b", text))
         missing = sorted(p for p in named if not (REPO / p).exists())
@@ -54,3 +55,18 @@ def test_a_readme_command_verbatim_creates_the_folders_the_readme_lists(tmp_path
     assert {".hydra", "checkpoints"} <= {p.name for p in run_dir.iterdir()}
     for folder in ("`mlflow.db`", "`mlruns/`", "`outputs/<date>/<time>/`", "`.hydra/`", "`checkpoints/`"):
         assert folder in README
+
+
+def test_the_layout_names_every_module():
+    """README's layout lists every module of the package (a subpackage: its folder and each file in it)."""
+    layout = README.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    missing = []
+    for path in sorted((REPO / "workbench").rglob("*.py")):
+        rel = path.relative_to(REPO)
+        if rel.parent == Path("workbench"):
+            named = rel.name == "__init__.py" or rel.as_posix() in layout
+        else:
+            named = f"{rel.parent.as_posix()}/" in layout and (rel.name == "__init__.py" or rel.name in layout)
+        if not named:
+            missing.append(rel.as_posix())
+    assert not missing, f"README's layout leaves out {missing}"

@@ -49,6 +49,39 @@ def test_killed_run_resumes_to_the_same_parameters_and_epsilon(tmp_path):
     assert sorted(eps_b) == sorted(set(eps_b)) and 20 in eps_b
 
 
+def test_a_truncated_checkpoint_is_named_and_the_run_resumes_from_the_newest_intact_one(tmp_path):
+    """A node lost while its newest checkpoint was copied: that file is cut short (one byte: torch says only
+    'Invalid argument'). The resume names it, continues from the one before, and ends where the whole run ends; with
+    every checkpoint cut, it is refused in one line and nothing trains."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {"MLFLOW_TRACKING_URI": uri}
+    whole = run_cli(*ARGS, f"output_dir={tmp_path / 'whole'}", cwd=tmp_path, env=env)
+    crashed = run_cli(*ARGS, f"output_dir={tmp_path / 'crashed'}", cwd=tmp_path, env={**env, "WB_KILL_AT_FETCH": "13"})
+    assert whole.returncode == 0 and crashed.returncode == -9, whole.stderr[-2000:]
+    five, ten = checkpoint.list_checkpoints(tmp_path / "crashed")
+    os.truncate(ten, ten.stat().st_size - 1)
+
+    resumed = run_cli(*ARGS, f"output_dir={tmp_path / 'crashed'}", "resume_from_checkpoint=latest", cwd=tmp_path, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    said = resumed.stdout + resumed.stderr
+    assert f"checkpoint '{ten}' is truncated or corrupt" in said and "Errno" not in said
+    assert f"resuming from the newest intact checkpoint, {five}" in said
+    a, b = _final_model(tmp_path / "whole"), _final_model(tmp_path / "crashed")
+    assert a["step"] == b["step"] == 20 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    for p in checkpoint.list_checkpoints(tmp_path / "crashed"):
+        (cut / "checkpoints").mkdir(exist_ok=True)
+        (cut / "checkpoints" / p.name).write_bytes(p.read_bytes()[:-1])
+    before = {p: p.stat().st_mtime_ns for p in (cut / "checkpoints").iterdir()}
+    refused = run_cli(*ARGS, f"output_dir={cut}", "resume_from_checkpoint=latest_or_new", cwd=tmp_path, env=env)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is truncated or corrupt" in lines[0] and "no intact checkpoint before it" in lines[0]
+    assert {p: p.stat().st_mtime_ns for p in (cut / "checkpoints").iterdir()} == before  # never trained afresh
+
+
 def test_resume_refusals(tmp_path, mlflow_uri):
     from workbench import compose
     from workbench.launch import launch
@@ -80,7 +113,7 @@ def test_resume_refusals(tmp_path, mlflow_uri):
     corrupt.write_bytes(ckpts[-1].read_bytes()[:1000])
     bad = run_cli(*ARGS, f"output_dir={tmp_path / 'y'}", f"resume_from_checkpoint={corrupt}", cwd=tmp_path,
                   env={"MLFLOW_TRACKING_URI": mlflow_uri})
-    assert bad.returncode == 2 and "not a readable workbench checkpoint" in bad.stderr
+    assert bad.returncode == 2 and f"checkpoint '{corrupt}' is truncated or corrupt (1000 bytes" in bad.stderr
     assert "Traceback" not in bad.stderr
 
     client = MlflowClient(tracking_uri=mlflow_uri)
@@ -185,3 +218,43 @@ def test_full_disk_is_one_line_and_keeps_the_last_good_checkpoint(tmp_path):
         assert not list((disk / "checkpoints").glob(".*tmp*"))
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root (CI runs as root to install SLURM: "
+                                                 "it runs there)")
+def test_a_disk_that_fills_mid_run_stops_it_with_exit_1_and_the_run_failed(tmp_path):
+    """The checkpoint folder's disk fills after the first checkpoint (a 4 kB tmpfs mounted over it mid-run): one line,
+    exit 1 (a run that started and had to stop, not bad input), the MLflow run FAILED, the earlier checkpoint whole."""
+    import subprocess
+    import sys
+    import time
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(checkpoint.Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1",
+           "WB_FETCH_SLEEP": "0.2", "MLFLOW_TRACKING_URI": uri}
+    proc = subprocess.Popen([sys.executable, "-m", "workbench", *ARGS, "data.train._target_=tests.plugins.SlowSynthetic",
+                             "max_steps=40", f"output_dir={run_dir}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    folder = run_dir / "checkpoints"
+    mounted = False
+    try:
+        while not (folder / "checkpoint-5.pt").exists():
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            time.sleep(0.05)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(folder)], check=True, capture_output=True)
+        mounted = True
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+        if mounted:
+            subprocess.run(["umount", str(folder)], check=True)
+    assert proc.returncode == 1, err[-2000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: checkpoint save at step 10 failed on rank 0: could not write "
+                                                   f"checkpoint {folder / 'checkpoint-10.pt'}: No space left on device")
+    assert checkpoint.load(folder / "checkpoint-5.pt")["step"] == 5
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])
+    assert run.info.status == "FAILED" and "No space left on device" in run.data.tags["error"]

@@ -134,3 +134,41 @@ def test_local_launcher_rank_zero_killed_leaves_the_run_failed(tmp_path):
         _kill_group(proc)
     assert proc.returncode == 2 and "failed" in err.strip().splitlines()[-1]
     assert _statuses(tmp_path) == ["FAILED"]
+
+
+@pytest.mark.parametrize("torchrun", ["torch.distributed.run", "workbench.torchrun"])
+def test_a_torchrun_job_stopped_by_sigterm_prints_the_torchrun_command_that_resumes_it(tmp_path, torchrun):
+    """The hint names torchrun and its arguments (a checkpoint written by 2 ranks is refused by `python -m workbench`,
+    1 rank); run as printed, it resumes the same MLflow run to the end. Stock torchrun then adds its own traceback and
+    exits 1; `python -m workbench.torchrun` (the same agent) ends with the one line and 128 + SIGTERM."""
+    import re
+    import shlex
+
+    run_dir = tmp_path / "run"
+    args = [a if not a.startswith("max_steps=") else "max_steps=40" for a in ARGS]
+    proc = _start(tmp_path, "-m", torchrun, "--standalone", "--nproc-per-node=2", "-m", "workbench",
+                  *args, f"output_dir={run_dir}")
+    try:
+        _wait_for_checkpoint(proc, run_dir)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        _kill_group(proc)
+    hints = [line for line in err.splitlines() if line.startswith("interrupted at step ")]
+    assert len(hints) == 1, err[-3000:]  # one line for the job, not one per rank
+    command = re.search(r"; resume with: (.*)$", hints[0]).group(1)
+    assert command.startswith(f"{shlex.quote(sys.executable)} -m {torchrun} --standalone --nproc-per-node=2 "
+                              "-m workbench "), command
+    if torchrun == "workbench.torchrun":  # as README promises: the one line, the shell's code for the signal
+        assert proc.returncode == 128 + signal.SIGTERM and err.strip().splitlines() == hints, err[-3000:]
+    else:  # stock torchrun's own ending, documented in README
+        assert proc.returncode == 1 and "SignalException" in err
+    assert command.endswith(f"output_dir={run_dir} resume_from_checkpoint=latest")
+    assert _statuses(tmp_path) == ["KILLED"]
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    resumed = subprocess.run(["sh", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout + resumed.stderr and _statuses(tmp_path) == ["FINISHED"]
+    assert checkpoint.load(checkpoint.list_checkpoints(run_dir)[-1])["step"] == 40

@@ -420,3 +420,20 @@ def test_a_non_private_candidate_makes_the_best_bound_infinite_with_a_note(tmp_p
     assert "'privacy.noise_multiplier=0' (privacy.noise_multiplier=0 gives no privacy" in notes
     assert "'privacy=none' (not private)" in notes
     assert any("no finite bound" in str(w.message) for w in caught)
+
+
+def test_a_launched_job_reports_its_end_to_the_sweep_through_the_hook(make_cfg, tmp_path, monkeypatch):
+    """A point's job calls the sweep back (so the last point of a sweep whose driver left summarises it) through the
+    hook its launcher passes in: the job itself never imports the sweep layer. A failing hook never fails the run."""
+    from workbench import launch
+
+    ended = []
+    monkeypatch.setattr(sweep, "point_ended", lambda sweep_dir: ended.append(str(sweep_dir)))
+    cfg = make_cfg("experiment=quick", "privacy=none", "max_steps=1", f"tracking.sweep_dir={tmp_path / 'sweep'}")
+    launch.launch(cfg)
+    assert ended == [str(tmp_path / "sweep")]
+
+    def broken(cfg):
+        raise RuntimeError("the sweep's store is gone")
+
+    assert run.train(make_cfg("experiment=quick", "privacy=none", "max_steps=1"), on_end=broken).steps == 1

@@ -183,15 +183,17 @@ def test_unusable_tracking_store_is_refused_before_any_work(tmp_path, args, mess
     assert not Path("/no/such/dir").exists()  # MLflow would have created a mistyped folder
 
 
-def _slow_run(url: str, run_dir: Path, *extra: str) -> subprocess.Popen:
-    """A CLI run long enough (0.2 s a batch) for a test to kill and restart its server in the middle."""
+def _slow_run(url: str, run_dir: Path | None, *extra: str, cwd: Path | None = None,
+              env: dict | None = None) -> subprocess.Popen:
+    """A CLI run long enough (0.2 s a batch) for a test to kill and restart its server in the middle. `run_dir` None:
+    no output_dir, as a user types it (Hydra's run folder under `cwd`)."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1",
-           "WB_FETCH_SLEEP": "0.2"}
+           "WB_FETCH_SLEEP": "0.2", **(env or {})}
     return subprocess.Popen(
         [sys.executable, "-m", "workbench", "experiment=quick", "data.train._target_=tests.plugins.SlowSynthetic",
          "max_steps=40", "logging_steps=2", "save_steps=10", f"tracking.uri={url}", "tracking.experiment_name=faults",
-         f"output_dir={run_dir}", "disable_tqdm=true", *extra],
-        cwd=run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         *([f"output_dir={run_dir}"] if run_dir else []), "disable_tqdm=true", *extra],
+        cwd=cwd or run_dir.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for(condition, what: str, proc: subprocess.Popen, limit: float = 240):
@@ -261,6 +263,37 @@ def test_server_killed_for_good_spools_and_syncs_later(server, tmp_path):
     assert {"config.yaml", "checkpoints", "training_curves.png"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
     assert run.data.metrics["steps"] == 40
     assert not (tmp_path / "run" / "tracking-spool").exists()
+
+
+@pytest.mark.slow
+def test_a_plain_run_spools_in_its_run_folder_where_the_closing_line_says(server, tmp_path):
+    """No output_dir (Hydra picks the run folder after the tracker exists): the spool is in that run folder, the
+    closing line's own sync command uploads it, and no temporary folder is left behind."""
+    url = server.start()
+    client = MlflowClient(tracking_uri=url)
+    tmp, work = tmp_path / "tmp", tmp_path / "work"
+    tmp.mkdir(), work.mkdir()
+    proc = _slow_run(url, None, "tracking.flush_timeout=1", cwd=work, env={"TMPDIR": str(tmp)})
+    try:
+        _wait_for(lambda: _logged_steps(client), "the first logged line", proc)
+        server.kill()
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    last = out.strip().splitlines()[-1]
+    command = re.search(r"upload with python -m workbench\.tracking sync (\S+)$", last)
+    assert command, last
+    run_folder = Path(command.group(1))
+    assert work in run_folder.parents and list((run_folder / "tracking-spool").glob("ops-*.jsonl"))
+    assert not list(tmp.glob("workbench-tracking-*"))  # nothing spooled, or left empty, in a temporary folder
+
+    server.start(server.port)
+    sync = run_cli("sync", str(run_folder), cwd=work, module=("-m", "workbench.tracking"))  # as the line says
+    assert sync.returncode == 0, sync.stderr[-2000:]
+    run = client.search_runs([client.get_experiment_by_name("faults").experiment_id])[0]
+    assert run.info.status == "FINISHED" and _logged_steps(client) == list(range(2, 41, 2))
+    assert not (run_folder / "tracking-spool").exists()
 
 
 def test_tracking_worker_answers_as_the_store_does_and_is_replaced_when_it_dies(tmp_path):

@@ -98,7 +98,7 @@ def test_models_dp_cannot_handle_are_refused_with_a_fix():
 
 def test_auto_grad_sample_mode_picks_the_fastest_that_fits():
     from workbench.models import MLP, SmallCNN
-    from workbench.clipping import fastest_grad_sample_mode
+    from workbench.privacy.clipping import fastest_grad_sample_mode
 
     assert fastest_grad_sample_mode(MLP()) == "bk"
     assert fastest_grad_sample_mode(SmallCNN()) == "bk"
@@ -250,7 +250,7 @@ class _CentredLogits(nn.Module):
     (_Lora, torch.randn(13, 6), "no rule for _Lora"),
 ])
 def test_book_keeping_refuses_what_it_would_clip_wrong(model, x, message):
-    from workbench.clipping import fastest_grad_sample_mode
+    from workbench.privacy.clipping import fastest_grad_sample_mode
 
     y = torch.randint(0, 3, (13,))
     with pytest.raises(WorkbenchError, match=message):
@@ -351,3 +351,30 @@ def test_update_is_the_clipped_sum_over_the_expected_batch_not_the_realised_one(
         sums[data_seed] = _reference_for(lambda: model, dataset.tensors[0][indices], dataset.tensors[1][indices], clip)
     for a0, a3, s0, s3 in zip(after[0.5, 0], after[0.5, 3], sums[0], sums[3]):
         torch.testing.assert_close(a0 - a3, -0.5 * (s0 - s3) / batch, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("flaw, said", [("label", r"has label 12, outside the model's 10 classes"),
+                                        ("width", r"does not fit the model: mat1 and mat2 shapes"),
+                                        ("unreadable", r"cannot be read \(ValueError: record \d+: bad CRC\)")])
+def test_data_that_turns_bad_past_the_pre_run_check_stops_the_run_in_one_line_naming_the_example(tmp_path, flaw, said):
+    """Examples from index 1000 on are bad in a dataset read one example at a time (the pre-run check reads the first
+    8): the step that meets one ends the run FAILED with one line naming that example's dataset index, exit 1."""
+    import re
+
+    from mlflow import MlflowClient
+
+    from tests.conftest import run_cli
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = run_cli("experiment=quick", "data.train._target_=tests.plugins.LateFlawData", f"+data.train.flaw={flaw}",
+                   "+data.train.bad_from=1000", "disable_tqdm=true", f"output_dir={tmp_path / 'run'}",
+                   f"tracking.uri={uri}", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-3000:]
+    found = re.fullmatch(r"error: training stopped at step 1: data\.train \(tests\.plugins\.LateFlawData\): "
+                         r"example (\d+) (.*); checkpoints of earlier steps are kept", lines[0])
+    assert found and int(found.group(1)) >= 1000 and re.search(said, found.group(2)), lines[0]
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])
+    assert run.info.status == "FAILED" and f"example {found.group(1)}" in run.data.tags["error"]

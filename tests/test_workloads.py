@@ -1,6 +1,8 @@
 """Real workloads through the same trainer: batch shapes, model outputs, token losses, module fixing, mixed precision,
 a user's own model and data in one override. Every path is checked against a per-example autograd loop."""
 
+import math
+
 import pytest
 import torch
 from mlflow import MlflowClient
@@ -292,6 +294,47 @@ def test_own_model_and_data_in_one_override_each(make_cfg, mlflow_uri):
     assert result.sample_rate == pytest.approx(64 / 320)
     with pytest.raises(WorkbenchError, match="unexpected keyword argument 'depth'"):  # user keys still checked
         train(make_cfg("experiment=quick", "model._target_=tests.plugins.width_net", "+model.depth=3"))
+
+
+@pytest.mark.parametrize("bn, shape", [(nn.BatchNorm1d, (8, 32)), (nn.BatchNorm1d, (8, 32, 5)),
+                                       (nn.BatchNorm2d, (8, 32, 3, 3)), (nn.BatchNorm3d, (8, 64, 2, 2, 2))])
+def test_a_fixed_batch_norm_normalises_each_example_alone_and_keeps_its_information(bn, shape):
+    """BatchNorm -> a GroupNorm that reads one example (its output is the same in any batch) and does not flatten it
+    (Opacus' default GroupNorm(gcd(32, C), C) on 32 features normalises each value alone: every output 0)."""
+    torch.manual_seed(0)
+    model, notes = prepare_model(nn.Sequential(bn(shape[1])), private=True)
+    assert notes == [f"0: {bn.__name__} -> GroupNorm (re-initialised)"]
+    x = torch.randn(shape) * 3 + 1
+    out = model(x)
+    torch.testing.assert_close(out[:1], model(x[:1]))  # per example: no other example changes it
+    values_per_group = shape[1] // model[0].num_groups * math.prod(shape[2:])
+    assert values_per_group >= 4 and out.std() > 0.5  # normalised, not zeroed
+    if bn is nn.BatchNorm1d:  # features: normalised across all of them (LayerNorm's statistics)
+        assert model[0].num_groups == 1
+
+
+def test_a_fixed_batch_norm_left_with_one_value_per_group_is_refused_in_one_line():
+    """BatchNorm2d(4) on 1x1 maps: its GroupNorm(4, 4) would zero every value; the pre-run check names it and the fix."""
+    from workbench.data_checks import check_fit
+
+    model, _ = prepare_model(nn.Sequential(nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 3)), private=True)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4, 1, 1), torch.randint(0, 3, (16,)))
+    with pytest.raises(WorkbenchError) as err:
+        check_fit(data, "data.train", model, nn.CrossEntropyLoss(reduction="none"), torch.device("cpu"))
+    assert str(err.value).startswith("model.0: GroupNorm(4, 4") and "(8, 4, 1, 1) alone" in str(err.value)
+    assert "torch.nn.GroupNorm(1, 4)" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_an_mlp_with_batch_norm_is_fixed_into_one_that_learns(make_cfg, mlflow_uri, mode):
+    """BatchNorm1d over 32 hidden features: the fixed model trains to far above chance (0.1) in both modes."""
+    from workbench import train
+
+    result = train(make_cfg("experiment=quick", "model._target_=tests.plugins.batchnorm_mlp", "+model.hidden=[32]",
+                            f"privacy.grad_sample_mode={mode}", "privacy.secure_seed=1"))
+    assert result.metrics["eval_accuracy"] > 0.8
+    run = MlflowClient(tracking_uri=mlflow_uri).get_run(result.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["fixed_modules"] == "1: BatchNorm1d -> GroupNorm (re-initialised)"
 
 
 def test_bf16_transformer_trains_with_dp_and_records_the_replacement(make_cfg, mlflow_uri, capsys):

@@ -10,7 +10,7 @@
   is exactly 0. Canary j's loss is ``C * w_j``: its gradient is C e_j (norm C, so clipping leaves norm C up to the
   trainer's stabiliser); a blank's is 0.
 - **Observers.** White-box: every released update's coordinate j, in units of C / B, is K_t + sigma Z_t; scored by
-  :func:`workbench.audit.white_box_llr`. Final model: how far w_j moved against its gradient, ``-w_j``.
+  :func:`workbench.audit_bound.white_box_llr`. Final model: how far w_j moved against its gradient, ``-w_j``.
 - **Shards.** Slots sit after the N examples; ``shard=per_rank`` drops the population's tail beyond a multiple of W,
   so up to W - 1 slots may never be sampled: the bound stays valid, those canaries only carry no signal.
 - **What is kept.** The user's model never holds the block; checkpoints hold the user's model only, and the optimizer
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from workbench import audit
+from workbench import audit_bound
 from workbench.errors import WorkbenchError
 
 BLOCK = "audit.canaries"
@@ -126,7 +126,7 @@ class WhiteBoxObserver:
 
     def on_step_end(self, state) -> None:
         x = state.updates[BLOCK].detach().reshape(-1).double().cpu().numpy() * self.scale
-        self.scores += audit.white_box_llr(x, self.sigma, self.probs)
+        self.scores += audit_bound.white_box_llr(x, self.sigma, self.probs)
 
 
 class CanaryAudit:
@@ -151,7 +151,7 @@ class CanaryAudit:
               world_size: int, shard: str) -> WhiteBoxObserver:
         """Draw the membership (the secret is known now) and return the white-box observer, a callback."""
         self.members = self.dataset.draw_membership(secret, seed)
-        self.probs = audit.multiplicity_probs(sample_rate, world_size, shard)
+        self.probs = audit_bound.multiplicity_probs(sample_rate, world_size, shard)
         self.observer = WhiteBoxObserver(self.m, clip, expected_batch, sigma, self.probs)
         return self.observer
 
@@ -162,11 +162,11 @@ class CanaryAudit:
         return {"state": {i: s for i, s in optimizer_state["state"].items() if i != last}, "param_groups": groups}
 
     def result(self, reported_epsilon: float | None, delta: float, sigma: float, sample_rate: float, steps: int,
-               world_size: int, shard: str) -> audit.AuditResult:
+               world_size: int, shard: str) -> audit_bound.AuditResult:
         final_model = -self.model.canaries.weight.detach().reshape(-1).double().cpu().numpy()
         scores = {"white_box": self.observer.scores, "final_model": final_model}
-        found = audit.audit(scores, self.members, delta, self.significance, reported_epsilon)
-        ideal = audit.ideal_lower_bound(self.m, sample_rate, sigma, steps, world_size, shard, delta,
+        found = audit_bound.audit(scores, self.members, delta, self.significance, reported_epsilon)
+        ideal = audit_bound.ideal_lower_bound(self.m, sample_rate, sigma, steps, world_size, shard, delta,
                                         self.significance, observers=len(scores))
         from dataclasses import replace
 

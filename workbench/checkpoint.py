@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from workbench.errors import WorkbenchError
+from workbench.errors import TrainingStopped, WorkbenchError
 
 PREFIX = "checkpoint-"
 _STEP = re.compile(rf"^{PREFIX}(\d+)\.pt$")
@@ -51,7 +51,8 @@ def save(state: dict[str, Any], output_dir: str | Path, step: int, save_total_li
             raise
         previous = list_checkpoints(output_dir)
         kept = f"; the last good checkpoint is {previous[-1]}" if previous else ""
-        raise WorkbenchError(f"could not write checkpoint {path}: {cause.strerror or cause}{kept}") from None
+        # Saving happens only once training began: the run stops (exit 1, run FAILED), it is not bad input (exit 2).
+        raise TrainingStopped(f"could not write checkpoint {path}: {cause.strerror or cause}{kept}") from None
     finally:
         tmp.unlink(missing_ok=True)
     if save_total_limit is not None:
@@ -102,8 +103,43 @@ def load(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as e:
-        raise WorkbenchError(f"{str(path)!r} is not a readable workbench checkpoint ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else 'corrupted'})") from None
+        raise WorkbenchError(f"checkpoint {str(path)!r} is truncated or corrupt ({path.stat().st_size} bytes; torch "
+                             f"cannot read it: {_first_sentence(e)})") from None
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
         raise WorkbenchError(f"{str(path)!r} is not a workbench checkpoint (no model/step inside)")
     return state
+
+
+def _first_sentence(error: BaseException) -> str:
+    """torch's reader adds paragraphs of advice; an OSError from a cut-off file says only 'Invalid argument'."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text.split(". ")[0].rstrip(".")
+
+
+def load_resumable(resume_from: str, output_dir: str | Path) -> tuple[Path | None, dict[str, Any] | None]:
+    """The checkpoint a run resumes from, loaded: resolve(), and when that one is truncated or corrupt (a node lost
+    mid-copy, a disk that filled) the newest intact one before it, with a warning naming both. Never (None, None) for
+    an unreadable one: a run that had checkpoints must not quietly start afresh and spend a second privacy budget."""
+    import logging
+
+    path = resolve(resume_from, output_dir)
+    if path is None:
+        return None, None
+    try:
+        return path, load(path)
+    except WorkbenchError as e:
+        broken = str(e)
+    for older in reversed([p for p in _in_folder(path.parent) if _step(p) < _step(path)]):
+        try:
+            state = load(older)
+        except WorkbenchError:
+            continue
+        logging.getLogger("workbench").warning("%s; resuming from the newest intact checkpoint, %s", broken, older)
+        return older, state
+    raise WorkbenchError(f"{broken}; no intact checkpoint before it in {path.parent} to resume from "
+                         "(a fresh start needs another output_dir)")
+
+
+def _step(path: Path) -> int:
+    m = _STEP.match(path.name)
+    return int(m.group(1)) if m else -1

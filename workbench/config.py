@@ -50,7 +50,7 @@ class PrivacyConfig:
     target_delta: Optional[float] = None  # None: a value below 1/N (see workbench.privacy.default_delta)
     noise_multiplier: Optional[float] = None  # None: calibrated so that target_epsilon is met after all steps
     max_grad_norm: float = 1.0
-    grad_sample_mode: str = "auto"  # auto: the fastest mode that supports the model (workbench.clipping)
+    grad_sample_mode: str = "auto"  # auto: the fastest mode that supports the model (workbench.privacy.clipping)
     # Replace layers DP-SGD cannot handle by their DP equivalents (workbench.models.prepare_model); false: refuse them.
     fix_model: bool = True
     # The secret that the Poisson-sampling and noise streams derive from (with seed / data_seed, rank and step).
@@ -62,7 +62,7 @@ class PrivacyConfig:
 
 @dataclass
 class AuditConfig:
-    enabled: bool = False  # audit=canaries: the one-run privacy audit (workbench/audit.py)
+    enabled: bool = False  # audit=canaries: the one-run privacy audit (workbench/audit_bound.py)
     canaries: int = 1000
     significance: float = 0.05
 
@@ -237,6 +237,7 @@ RANGES = {
     "launcher.nprocs": Range(1), "launcher.nodes": Range(1), "launcher.gpus_per_node": Range(0),
     "launcher.tasks_per_node": Range(1), "launcher.cpus_per_task": Range(1), "launcher.mem_gb": Range(0, low_open=True),
     "launcher.timeout_min": Range(1), "launcher.max_num_timeout": Range(0),
+    "tracking.flush_timeout": Range(0),  # seconds; nan would wait forever, inf crashes the wait
 }
 
 
@@ -330,7 +331,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.dataloader_num_workers == 0 and (cfg.dataloader_prefetch_factor is not None or cfg.dataloader_persistent_workers):
         raise WorkbenchError("dataloader_prefetch_factor and dataloader_persistent_workers need dataloader_num_workers > 0")
     p = cfg.privacy
-    if p.grad_sample_mode == "ghost" and p.enabled:  # why: workbench/clipping/opacus_modes.py
+    if p.grad_sample_mode == "ghost" and p.enabled:  # why: workbench/privacy/clipping/opacus_modes.py
         raise WorkbenchError("privacy.grad_sample_mode=ghost is refused: Opacus' ghost clipping cannot bound each "
                              "example's contribution in floating point; use bk (one backward, no per-sample "
                              "gradients) or auto")

@@ -1,4 +1,4 @@
-"""Datasets, shard modes, the Poisson batch sampler and the loaders (see the privacy contract in DESIGN.md).
+"""Datasets, shard modes, the Poisson batch sampler and the loaders (see the privacy contract in docs/DESIGN.md).
 
 Training batches are never formed by a DataLoader sampler: :class:`PoissonBatchSampler` draws each logical step's batch
 as an independent Bernoulli(q) choice per example, from a stream seeded by (seed, rank, step). Being stateless per step,
@@ -235,7 +235,7 @@ class Shard:
 
 
 def train_shard(dataset_size: int, rank: int, world_size: int, mode: str, per_device_batch: int) -> Shard:
-    """Shard modes of DESIGN.md: per_rank = disjoint contiguous equal shards; global = every rank sees all N."""
+    """Shard modes of docs/DESIGN.md: per_rank = disjoint contiguous equal shards; global = every rank sees all N."""
     if dataset_size == 0:
         raise WorkbenchError("the training dataset is empty")
     global_batch = per_device_batch * world_size

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from workbench.errors import WorkbenchError
+from workbench.errors import TrainingStopped, WorkbenchError
 
 log = logging.getLogger(__name__)
 
@@ -202,12 +202,14 @@ class Dist:
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = e
         report = None if error is None else (str(error) if isinstance(error, WorkbenchError) else repr(error),
-                                             isinstance(error, WorkbenchError))
+                                             isinstance(error, WorkbenchError), isinstance(error, TrainingStopped))
         failures = [(r, rep) for r, rep in enumerate(self.all_gather_object(report)) if rep is not None]
         if failures:
-            detail = "; ".join(f"rank {r}: {msg}" for r, (msg, _) in failures)
-            # Refusals that explain themselves (a full disk, say) stay one line; anything else keeps its traceback.
-            kind = WorkbenchError if all(known for _, (_, known) in failures) else RuntimeError
+            detail = "; ".join(f"rank {r}: {msg}" for r, (msg, _, _) in failures)
+            # Refusals that explain themselves (a full disk, say) stay one line, and a run that had to stop stays one
+            # (exit 1, not bad input's 2); anything else keeps its traceback.
+            kind = RuntimeError if not all(known for _, (_, known, _) in failures) else \
+                TrainingStopped if any(stopped for _, (_, _, stopped) in failures) else WorkbenchError
             raise kind(f"{name} failed on {detail}") from error
 
     def barrier(self) -> None:

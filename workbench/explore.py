@@ -25,7 +25,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, open_dict
 
 from workbench.plots import frontier as plot_frontier
-from workbench.tracking import PARENT_TAG, tracking_uri as resolve_uri
+from workbench.run_tables import epsilon_curve, mlflow_client, runs_frame, sweep_frame, sweep_summary
 
 EPSILONS = (1, 3, 8)
 # The non-private baseline needs its own learning rate: SGD at the DP-SGD rate (1.5, tuned for clipped, noised,
@@ -62,7 +62,8 @@ def summary(result) -> dict[str, Any]:
 
 def _train_on_rank(cfg_or_overrides: DictConfig | Sequence[str]) -> dict[str, Any]:
     """What every rank of :func:`train_local` runs: the CLI's own compose and train, inside the rank's process group."""
-    from workbench import compose, train
+    from workbench.api import compose
+    from workbench.run import train
 
     cfg = cfg_or_overrides if isinstance(cfg_or_overrides, DictConfig) else compose(list(cfg_or_overrides))
     return {**summary(train(cfg)), "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
@@ -71,7 +72,7 @@ def _train_on_rank(cfg_or_overrides: DictConfig | Sequence[str]) -> dict[str, An
 def train_local(cfg_or_overrides: DictConfig | Sequence[str] = (), nprocs: int = 2, timeout: float = 600) -> dict[str, Any]:
     """Train one config on `nprocs` local processes (one job, one process group, gloo on CPU) and return rank 0's
     :func:`summary`: metrics, epsilon, delta, steps, run_id... `per_device_train_batch_size` is per process."""
-    from workbench import launch_distributed
+    from workbench.api import launch_distributed
 
     return launch_distributed(_train_on_rank, nprocs, cfg_or_overrides, timeout=timeout)[0]
 
@@ -84,7 +85,9 @@ def sweep(points: Sequence[Sequence[str]] = DEFAULT_SWEEP, overrides: Sequence[s
     ``sweep.tuning=random_stopping`` in `overrides`, each point is trained as many times as the random draw says.
     Run folders go under `sweep_dir` (default ``multirun/<date>/<time>``). Returns the parent run id (None with
     tracking off)."""
-    from workbench import compose, sweep as sweeps, train
+    from workbench import sweep as sweeps
+    from workbench.api import compose
+    from workbench.run import train
 
     root = Path(sweep_dir or Path("multirun") / time.strftime("%Y-%m-%d/%H-%M-%S")).resolve()
     state = sweeps.start(compose(list(overrides)), root, points=points,
@@ -97,115 +100,14 @@ def sweep(points: Sequence[Sequence[str]] = DEFAULT_SWEEP, overrides: Sequence[s
                 with open_dict(cfg):
                     cfg.tracking.sweep_dir = str(root)
                     cfg.tracking.tags.setdefault("overrides", " ".join(point))
-                train(cfg)
+                train(cfg, on_end=sweeps.job_ended)
     finally:
         sweeps.finish(root)
     return state["parent_run_id"]
 
 
 # ------------------------------------------------------------------------------------------------------ reading runs
-
-def _client(tracking_uri: str | None):
-    from mlflow import MlflowClient
-
-    return MlflowClient(tracking_uri=resolve_uri(tracking_uri))
-
-
-def _numeric(column):
-    """A params column as numbers when every value is one or "None" (MLflow stores params as strings)."""
-    import pandas as pd
-
-    present = column.notna() & (column != "None")  # a null config value is logged as "None"
-    converted = pd.to_numeric(column.where(present), errors="coerce")
-    return converted if present.any() and converted.notna().sum() == present.sum() else column
-
-
-def runs_frame(experiment_name: str | None = None, parent_run_id: str | None = None, tracking_uri: str | None = None,
-               include_sweeps: bool = False):
-    """One row per MLflow run, oldest first: run_id, run_name, status, start_time, end_time, parent_run_id, the
-    final value of every metric (epsilon, delta, noise_multiplier, sample_rate, steps, eval_accuracy, ...),
-    ``params.<dotted config key>`` and ``tags.<tag>`` (backend, world_size, overrides, hydra choices...).
-
-    `experiment_name`: that experiment only (else every experiment); `parent_run_id`: that sweep's runs only.
-    Sweep parent runs themselves are left out unless `include_sweeps`. `tracking_uri` as in the config:
-    None means $MLFLOW_TRACKING_URI, else ./mlflow.db."""
-    import pandas as pd
-
-    client = _client(tracking_uri)
-    if experiment_name is not None:
-        experiment = client.get_experiment_by_name(experiment_name)
-        if experiment is None:
-            raise ValueError(f"no MLflow experiment named {experiment_name!r} at {resolve_uri(tracking_uri)}")
-        experiment_ids = [experiment.experiment_id]
-    elif parent_run_id is not None:
-        experiment_ids = [client.get_run(parent_run_id).info.experiment_id]
-    else:
-        experiment_ids = [e.experiment_id for e in client.search_experiments()]
-    query = f"tags.`{PARENT_TAG}` = '{parent_run_id}'" if parent_run_id else ""
-    runs, token = [], None
-    while True:
-        page = client.search_runs(experiment_ids, query, order_by=["attributes.start_time ASC"], max_results=1000,
-                                  page_token=token)
-        runs.extend(page)
-        token = page.token
-        if not token:
-            break
-    rows = []
-    for run in runs:
-        tags = run.data.tags
-        role = tags.get("workbench.role", "run")
-        if role == "sweep" and not include_sweeps:
-            continue
-        rows.append({"run_id": run.info.run_id, "run_name": run.info.run_name, "status": run.info.status,
-                     "start_time": pd.to_datetime(run.info.start_time, unit="ms"),
-                     "end_time": pd.to_datetime(run.info.end_time, unit="ms") if run.info.end_time else pd.NaT,
-                     "experiment_id": run.info.experiment_id, "parent_run_id": tags.get(PARENT_TAG), "role": role,
-                     **run.data.metrics,
-                     **{f"params.{k}": v for k, v in sorted(run.data.params.items())},
-                     **{f"tags.{k}": v for k, v in sorted(tags.items()) if not k.startswith("mlflow.")}})
-    base = ["run_id", "run_name", "status", "start_time", "end_time", "experiment_id", "parent_run_id", "role"]
-    df = pd.DataFrame(rows, columns=None if rows else base)
-    for name in df.columns:
-        if name.startswith("params."):
-            df[name] = _numeric(df[name])
-    return df.sort_values("start_time", kind="stable").reset_index(drop=True)
-
-
-def sweep_frame(parent_run_id: str, tracking_uri: str | None = None):
-    """The runs of one sweep (children of `parent_run_id`): :func:`runs_frame` restricted to them."""
-    return runs_frame(parent_run_id=parent_run_id, tracking_uri=tracking_uri)
-
-
-def sweep_summary(parent_run_id: str, tracking_uri: str | None = None) -> dict[str, Any]:
-    """What a sweep's parent run reports (workbench/sweep.py): its metrics (points, points_finished, points_failed,
-    best_<metric>, sweep_epsilon_all, sweep_delta, sweep_epsilon_best...), its best-point tags, ``notes`` (why a bound
-    may not apply) and ``table``, the ``sweep_table.csv`` artifact as a DataFrame (one row per point)."""
-    import pandas as pd
-
-    client = _client(tracking_uri)
-    run = client.get_run(parent_run_id)
-    with tempfile.TemporaryDirectory() as tmp:
-        table = pd.read_csv(client.download_artifacts(parent_run_id, "sweep_table.csv", tmp))
-    tags = {k: v for k, v in run.data.tags.items() if k.startswith("best_")}
-    return {**run.data.metrics, **tags, "notes": run.data.tags.get("sweep_notes", ""), "table": table}
-
-
-def epsilon_curve(run_id: str, tracking_uri: str | None = None):
-    """A run's logged history as a DataFrame: step, epsilon, loss. Epsilon is NaN for a non-private run (and on the log
-    lines of runs from before every line carried its epsilon)."""
-    import pandas as pd
-
-    client = _client(tracking_uri)
-    columns = []
-    for key in ("epsilon", "loss"):
-        history = client.get_metric_history(run_id, key)
-        series = pd.Series({m.step: m.value for m in sorted(history, key=lambda m: (m.step, m.timestamp))},
-                           name=key, dtype=float)
-        columns.append(series)
-    df = pd.concat(columns, axis=1).sort_index()
-    df.index = df.index.astype(int)
-    return df.rename_axis("step").reset_index()
-
+# runs_frame, sweep_frame, sweep_summary and epsilon_curve live in workbench/run_tables.py (the sweep driver reads them too)
 
 def plot_epsilon(run_id: str, tracking_uri: str | None = None):
     """Epsilon (and training loss) versus step for one run, read back from MLflow (the same picture that every run
@@ -214,7 +116,7 @@ def plot_epsilon(run_id: str, tracking_uri: str | None = None):
 
     df = epsilon_curve(run_id, tracking_uri)
     df = df[df["loss"].notna()]
-    delta = _client(tracking_uri).get_run(run_id).data.metrics.get("delta")
+    delta = mlflow_client(tracking_uri).get_run(run_id).data.metrics.get("delta")
     fig = training_curves(SimpleNamespace(steps=df["step"].tolist(), loss=df["loss"].tolist(),
                                           epsilon=df["epsilon"].tolist(), delta=delta))
     ax = fig.axes[0]

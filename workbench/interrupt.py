@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import threading
 from typing import Iterator
@@ -44,8 +45,29 @@ def resume_hint(error: Interrupted, argv: list[str]) -> str:
     if output_dir is None or not checkpoint.list_checkpoints(output_dir):
         return f"interrupted{where} by {error}; no checkpoint was saved yet (set save_steps), so a rerun starts afresh"
     kept = [a for a in argv if not a.startswith(("resume_from_checkpoint=", "output_dir="))]
-    return (f"interrupted{where} by {error}; resume with: python -m workbench {' '.join(kept)} "
-            f"output_dir={output_dir} resume_from_checkpoint=latest").replace("  ", " ")
+    command = [*launched_by(), *kept, f"output_dir={output_dir}", "resume_from_checkpoint=latest"]
+    return f"interrupted{where} by {error}; resume with: {shlex.join(command)}"
+
+
+def launched_by() -> list[str]:
+    """The command up to and including ``-m workbench``. Under torchrun, its agent (this process's parent) and every
+    argument it was given: a checkpoint resumes only at the world size that wrote it, so plain ``python -m workbench``
+    would be refused."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return ["python", "-m", "workbench"]
+    try:
+        agent = [a.decode() for a in open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\0") if a]
+    except OSError:  # no /proc: the arguments a rank can see for itself
+        agent = ["torchrun", f"--nnodes={os.environ.get('GROUP_WORLD_SIZE', 1)}",
+                 f"--nproc-per-node={os.environ.get('LOCAL_WORLD_SIZE', 1)}", "-m", "workbench"]
+    # `python -m torch.distributed.run ARGS -m workbench ...` or `[python] .../torchrun ARGS -m workbench ...`
+    end = next((i for i in range(len(agent) - 1) if agent[i:i + 2] == ["-m", "workbench"]), None)
+    start = next((i for i, a in enumerate(agent) if os.path.basename(a) == "torchrun"
+                  or agent[i - 1:i + 1] in (["-m", "torch.distributed.run"], ["-m", "workbench.torchrun"])), None)
+    if end is None or start is None:
+        return ["torchrun", f"--nproc-per-node={os.environ.get('LOCAL_WORLD_SIZE', 1)}", "-m", "workbench"]
+    prefix = ["torchrun"] if os.path.basename(agent[start]) == "torchrun" else [agent[0], "-m", agent[start]]
+    return [*prefix, *agent[start + 1:end + 2]]
 
 
 @contextlib.contextmanager

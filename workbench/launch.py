@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from workbench import checkpoint, config
 from workbench.errors import WorkbenchError
 from workbench.tracking import scrub
+from workbench.world_size import local_gpus, planned_world_size, slurm_tasks_per_node
 
 log = logging.getLogger("workbench")
 
@@ -49,8 +50,9 @@ def launch(cfg: DictConfig) -> Any:
     hydra_context(cfg)
     if cfg.launcher.name == "inline":
         from workbench.run import train
+        from workbench.sweep import job_ended
 
-        return train(cfg)
+        return train(cfg, on_end=job_ended)
     return submit(cfg)
 
 
@@ -80,9 +82,20 @@ class Job:
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        from workbench.interrupt import Interrupted, resume_hint
         from workbench.run import train
+        from workbench.sweep import job_ended
 
-        result = train(OmegaConf.create(self.cfg_yaml))
+        cfg = OmegaConf.create(self.cfg_yaml)
+        _end_on_cancel()
+        try:
+            result = train(cfg, on_end=job_ended)
+        except Interrupted as e:  # scancelled: the run is KILLED already; the job log says how to resume
+            if env.global_rank == 0:
+                print(resume_hint(e, (cfg.tracking.tags.get("overrides") or "").split()), file=sys.stderr, flush=True)
+            logging.shutdown()
+            sys.stdout.flush()
+            os._exit(128 + e.signum)
         atexit.register(_exit_if_reported, env.paths.result_pickle)
         return {"rank": env.global_rank, "metrics": result.metrics, "epsilon": result.epsilon, "delta": result.delta,
                 "steps": result.steps, "run_id": result.run_id, "tracking_uri": result.tracking_uri, "audit": result.audit,
@@ -96,6 +109,55 @@ class Job:
         return submitit.helpers.DelayedSubmission(Job(OmegaConf.to_yaml(cfg)))
 
 
+def _resumed_run(cfg: DictConfig, output_dir: Path) -> str | None:
+    """The MLflow run a resumed job continues (its checkpoint's): the submission marks that one, rather than make a
+    second run that the job would never use and leave SCHEDULED."""
+    if not cfg.resume_from_checkpoint:
+        return None
+    _, state = checkpoint.load_resumable(cfg.resume_from_checkpoint, output_dir)
+    return state.get("run_id") if state else None
+
+
+def _end_on_cancel() -> None:
+    """In a SLURM task submitit ignores SIGTERM ("Bypassing signal SIGTERM"): preemption signals with USR2, which it
+    answers by checkpointing and requeueing. But scancel sends SIGTERM alone, then SIGKILL after KillWait, which would
+    leave the MLflow run RUNNING forever. So on SIGTERM this task asks SLURM about its job: still RUNNING (submitit's
+    preemption, USR2 to follow) -> submitit's way; ending (cancelled, timed out, preempted) -> the run ends as an
+    interrupted CLI run does (KILLED, checkpoint whole, the resume hint)."""
+    import signal
+
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm" or not job_id:
+        return
+    submitits = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame):
+        if _slurm_state(job_id) in ("RUNNING", "SUSPENDED"):
+            if callable(submitits):
+                submitits(signum, frame)
+            return
+        from workbench.interrupt import Interrupted
+
+        signal.signal(signal.SIGTERM, submitits)  # the run is being ended: a second SIGTERM must not cut that short
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _slurm_state(job_id: str) -> str | None:
+    """JobState as slurmctld has it now (a cancelled job reads COMPLETING or CANCELLED); None if it cannot be asked:
+    then the run ends KILLED and resumable rather than stay RUNNING."""
+    import re
+    import subprocess
+
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=3).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"\bJobState=(\S+)", out)
+    return found.group(1) if found else None
+
+
 def _executor(cfg: DictConfig, folder: Path):
     import submitit
 
@@ -104,12 +166,12 @@ def _executor(cfg: DictConfig, folder: Path):
         nprocs = planned_world_size(cfg)
         executor = submitit.LocalExecutor(folder=str(folder))
         executor.update_parameters(tasks_per_node=nprocs, nodes=1, timeout_min=lc.timeout_min,
-                                   gpus_per_node=_local_gpus() and nprocs)
+                                   gpus_per_node=local_gpus() and nprocs)
         return executor
     if shutil.which("sbatch") is None:
         raise WorkbenchError("launcher=slurm needs SLURM's sbatch on PATH, and there is none on this machine; "
                              "use launcher=local or launcher=inline")
-    tasks = _slurm_tasks_per_node(lc)
+    tasks = slurm_tasks_per_node(lc)
     executor = submitit.SlurmExecutor(folder=str(folder), max_num_timeout=lc.max_num_timeout)
     params: dict[str, Any] = dict(nodes=lc.nodes, ntasks_per_node=tasks, time=lc.timeout_min,
                                   setup=list(lc.setup), additional_parameters=dict(lc.additional_parameters),
@@ -127,26 +189,6 @@ def _executor(cfg: DictConfig, folder: Path):
     return executor
 
 
-def _slurm_tasks_per_node(lc: DictConfig) -> int:
-    return lc.tasks_per_node or (lc.gpus_per_node if lc.gpus_per_node else 1)
-
-
-def planned_world_size(cfg: DictConfig) -> int:
-    """The number of processes the launcher starts for one job (a sweep bounds its points with it before they run)."""
-    lc = cfg.launcher
-    if lc.name == "local":
-        return lc.nprocs or _local_gpus() or 2
-    if lc.name == "slurm":
-        return lc.nodes * _slurm_tasks_per_node(lc)
-    return int(os.environ.get("WORLD_SIZE", "1"))  # inline: this process, or the group torchrun/srun started
-
-
-def _local_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def submit(cfg: DictConfig) -> Any:
     """Submit one job (local processes or SLURM); wait for it and report, or print where it runs and return."""
     from workbench.run import closing_line
@@ -162,7 +204,7 @@ def submit(cfg: DictConfig) -> Any:
     if problem:
         raise WorkbenchError(problem)
     tracker.start({"launcher": cfg.launcher.name, "status": "submitted", **cfg.tracking.tags},
-                  sweep_dir=cfg.tracking.sweep_dir, pending=True)
+                  run_id=_resumed_run(cfg, output_dir), sweep_dir=cfg.tracking.sweep_dir, pending=True)
     cfg.tracking.run_id = tracker.run_id
     try:
         job = executor.submit(Job(OmegaConf.to_yaml(cfg, resolve=True)))

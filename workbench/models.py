@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Sequence
 
 import torch
@@ -141,14 +142,15 @@ def prepare_model(model: nn.Module, private: bool, fix: bool = True) -> tuple[nn
 
     Layers whose per-sample gradients Opacus cannot compute are swapped for their DP equivalents when ``fix``
     (Opacus' ``ModuleValidator.fix``: MultiheadAttention -> DPMultiheadAttention, LSTM/GRU/RNN -> DPLSTM/DPGRU/DPRNN
-    with their weights, BatchNorm -> GroupNorm, freshly initialised since no weights make them equal); without ``fix``,
+    with their weights, BatchNorm -> a per-example GroupNorm (:func:`per_example_norm`), freshly initialised since no
+    weights make them equal); without ``fix``,
     or when a layer has no replacement, the model is refused in one line.
     """
     if isinstance(model, nn.DataParallel):
         raise WorkbenchError("torch.nn.DataParallel is refused: use launcher=local (one process per device) instead")
     if not private:
         return model, []
-    from workbench.clipping import book_keeping
+    from workbench.privacy.clipping import book_keeping
 
     layers = book_keeping.trainable_layers(model)
     if layers and book_keeping.refusal(layers) is None:
@@ -167,6 +169,7 @@ def _fix(model: nn.Module, fix: bool) -> tuple[nn.Module, list[str]]:
     errors = ModuleValidator.validate(model, strict=False)
     if errors and fix:
         before = {name: type(m).__name__ for name, m in model.named_modules()}
+        _replace_batch_norms(model)
         model = ModuleValidator.fix(model)
         replaced = [(name, before[name], m) for name, m in model.named_modules()
                     if name in before and before[name] != type(m).__name__]
@@ -184,6 +187,24 @@ def _fix(model: nn.Module, fix: bool) -> tuple[nn.Module, list[str]]:
         hint = " (privacy.fix_model=true replaces it with a DP equivalent)" if not fix else ""
         raise WorkbenchError(f"the model has {len(errors)} layer(s) DP-SGD cannot handle: {first}{hint}")
     return model, []
+
+
+def per_example_norm(bn: nn.modules.batchnorm._BatchNorm) -> nn.GroupNorm:
+    """BatchNorm's stand-in that normalises each example on its own. Opacus' default, GroupNorm(gcd(32, C), C),
+    leaves a BatchNorm1d over C <= 32 features with one value per group, which it normalises to 0 (a model that cannot
+    learn). Features (BatchNorm1d on (N, C) or (N, C, L)) are normalised across all C features (one group: LayerNorm's
+    statistics, BatchNorm's per-feature scale and shift); images and volumes (2d, 3d) in Wu & He's groups of channels,
+    which hold C/G x H x W values each. A group that still holds one value is refused by the pre-run check."""
+    c = bn.num_features
+    groups = 1 if isinstance(bn, nn.BatchNorm1d) else math.gcd(32, c)
+    return nn.GroupNorm(groups, c, eps=bn.eps, affine=bn.affine)
+
+
+def _replace_batch_norms(model: nn.Module) -> None:
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.modules.batchnorm._BatchNorm):
+                setattr(module, child_name, per_example_norm(child))
 
 
 def _reorder_heads(num_heads: int, module: nn.Module, args: tuple) -> tuple:

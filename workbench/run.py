@@ -21,14 +21,15 @@ from torch import nn
 
 from workbench import cache, checkpoint, config, data, data_checks, distributed, hf, privacy
 from workbench import callbacks as callbacks_
-from workbench.errors import WorkbenchError
+from workbench.errors import TrainingStopped, WorkbenchError
 from workbench.interrupt import Interrupted, ignore_further, signals_interrupt
 from workbench.models import prepare_model
 from workbench.tracking import end_if_abandoned, git_sha, make_tracker, ui_command
 from workbench.trainer import CHECK_EXAMPLES, Evaluator, GradientStep, History, Trainer, lr_lambda
+from workbench.world_size import planned_world_size
 
 if TYPE_CHECKING:  # audit=canaries only: scipy.stats is most of a second to import
-    from workbench.audit import AuditResult
+    from workbench.audit_bound import AuditResult
 
 log = logging.getLogger("workbench")
 
@@ -98,15 +99,19 @@ def _quiet_unless(should_log: bool) -> None:
         warnings.simplefilter("ignore")
 
 
-def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: list | None = None) -> TrainResult:
+def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: list | None = None,
+          on_end: Callable[[DictConfig], None] | None = None) -> TrainResult:
     """Run one job in this process (joining the job's process group when there is one). ``callbacks``: objects with
-    ``on_step_end(state)`` and friends (workbench/callbacks.py), after those in ``cfg.callbacks``."""
+    ``on_step_end(state)`` and friends (workbench/callbacks.py), after those in ``cfg.callbacks``. ``on_end(cfg)``:
+    called once the job has ended, however it ended, where it made an MLflow run (rank 0); what launches the job
+    passes it (a sweep's point summarises its sweep, workbench/sweep.py), so the job never imports the layers above."""
     config.validate(cfg)
     with signals_interrupt():
-        return _train(cfg, compute_metrics, callbacks)
+        return _train(cfg, compute_metrics, callbacks, on_end)
 
 
-def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | None) -> TrainResult:
+def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | None,
+           on_end: Callable[[DictConfig], None] | None) -> TrainResult:
     d = distributed.setup(cfg.ddp_backend, cfg.ddp_timeout, cfg.log_on_each_node, cfg.save_on_each_node)
     tracker = None
     run_id = None
@@ -148,8 +153,8 @@ def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | 
         raise
     finally:
         distributed.teardown(d)
-        if tracker is not None and tracker.run_id and cfg.tracking.sweep_dir:
-            _sweep_point_ended(cfg.tracking.sweep_dir)
+        if tracker is not None and tracker.run_id and on_end is not None:
+            _job_ended(on_end, cfg)
 
 
 def training_sets(cfg: DictConfig) -> tuple[Any, Any, Any]:
@@ -211,8 +216,6 @@ def planned_mechanism(cfg: DictConfig) -> dict[str, Any]:
     """What a run of `cfg` would spend, from its config alone (the training set is built for its size, nothing
     trains): the fields of its ``workbench.dp_event`` tag, or ``{"private": False}``. The world size is the one its
     launcher asks for. Raises WorkbenchError when the run would be refused."""
-    from workbench.launch import planned_world_size
-
     world_size = planned_world_size(cfg)
     _, train_set, _ = training_sets(cfg)
     shard = data.train_shard(data.check_dataset(train_set, "training"), 0, world_size, cfg.ddp_shard,
@@ -253,14 +256,12 @@ def _refuse_everywhere(d: distributed.Dist, check: Callable[[], str | None]) -> 
         raise WorkbenchError(problem)
 
 
-def _sweep_point_ended(sweep_dir: str) -> None:
-    """The last point of a sweep whose driver has left summarises it (workbench/sweep.py); never fails the run."""
-    from workbench import sweep
-
+def _job_ended(on_end: Callable[[DictConfig], None], cfg: DictConfig) -> None:
+    """The launcher's job-end hook; never fails the run (its outcome is already decided)."""
     try:
-        sweep.point_ended(sweep_dir)
+        on_end(cfg)
     except Exception as e:  # noqa: BLE001
-        log.warning("could not summarise the sweep in %s: %s", sweep_dir, e)
+        log.warning("the job-end hook %s failed: %s", getattr(on_end, "__name__", on_end), e)
 
 
 def _autocast_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype | None:
@@ -330,9 +331,8 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
     # Rank 0's secret for everyone: the sampling and noise streams must be unknowable from the logged config.
     secret = d.broadcast_object(p.secure_seed if p.secure_seed is not None else secrets.randbits(63))
     if cfg.resume_from_checkpoint:
-        path = checkpoint.resolve(cfg.resume_from_checkpoint, cfg.output_dir)
+        path, state = checkpoint.load_resumable(cfg.resume_from_checkpoint, cfg.output_dir)
         if path is not None:
-            state = checkpoint.load(path)
             if state.get("secret") is None:
                 raise WorkbenchError(f"checkpoint {str(path)!r} has no stream secret (a published copy?); "
                                      "resume from the run folder's own checkpoint")
@@ -365,8 +365,24 @@ def _build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | Non
                 scheduler=scheduler, accountant=accountant, secret=secret, delta=delta, sigma=sigma, total_steps=total_steps,
                 expected_batch=expected_batch, start_step=start_step, resume_run_id=resume_run_id, digest=digest,
                 loader=data.train_loader(train_set, sampler, cfg, d.device, collator), eval_loader=eval_loader,
-                metrics_fn=metrics_fn, canaries=canaries, callbacks=job_callbacks, fixed_modules=fixed,
+                metrics_fn=metrics_fn, canaries=canaries, callbacks=job_callbacks, fixed_modules=fixed, collator=collator,
                 autocast_dtype=autocast_dtype)
+
+
+def _blame_data(cfg: DictConfig, d: distributed.Dist, job: dict, step: int, error: Exception) -> None:
+    """A step that raised (not one that went non-finite): data that turned bad past the examples the pre-run check
+    read (a label out of range, another width, a record that cannot be read). Raise one line naming the dataset index
+    when one example of the step's batch fails alone; return when none does (the error is not the data's)."""
+    loader = job["loader"]
+    name = f"data.train ({cfg.data.train.get('_target_', 'no _target_')})"
+    try:
+        blamed = data_checks.blame_example(loader.dataset, loader.batch_sampler.indices_for_step(step), name,
+                                           job["model"], job["criterion"], d.device, job["collator"])
+    except Exception:  # noqa: BLE001 - the search itself failed: the step's own error stands
+        return
+    if blamed is not None:
+        raise TrainingStopped(f"training stopped at step {step + 1}: {blamed}; checkpoints of earlier steps are kept") \
+            from error
 
 
 def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str | None, output_dir: Path) -> TrainResult:
@@ -393,7 +409,13 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: dict, tracker, run_id: str |
     trainer = Trainer(cfg, d, model, job["step_fn"], job["optimizer"], job["scheduler"], job["loader"],
                       evaluator or (lambda: {}), accountant, delta, tracker, job["expected_batch"],
                       job["shard"].population, job["total_steps"], job["start_step"], save, job["callbacks"])
-    steps = trainer.fit()
+    try:
+        steps = trainer.fit()
+    except Exception as e:
+        if isinstance(e, WorkbenchError) or trainer.failed_step is None:
+            raise
+        _blame_data(cfg, d, job, trainer.failed_step, e)
+        raise
     metrics = evaluator() if evaluator is not None else {}
     summary = {"steps": steps, "sample_rate": job["shard"].sample_rate, "world_size": d.world_size}
     epsilon = None

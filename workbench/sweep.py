@@ -339,6 +339,18 @@ def point_ended(sweep_dir: str | Path) -> dict | None:
         return summarise(tracker, state)
 
 
+def job_ended(cfg: DictConfig) -> None:
+    """The job-end hook the launchers pass to ``train`` (workbench/launch.py, explore.sweep): a point of a sweep whose
+    driver has left summarises the sweep if it was the last running; never fails the run."""
+    sweep_dir = cfg.tracking.sweep_dir
+    if not sweep_dir:
+        return
+    try:
+        point_ended(sweep_dir)
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not summarise the sweep in %s: %s", sweep_dir, e)
+
+
 def _parent_tracker(state: dict) -> MlflowTracker:
     cfg = OmegaConf.create({"tracking": {"uri": state["tracking_uri"], "experiment_name": ""}})
     tracker = MlflowTracker(cfg)
@@ -509,7 +521,7 @@ def _distinct(runs, row) -> str:
 
 def summarise(tracker: MlflowTracker, state: dict) -> dict:
     """Log the sweep's table, frontier, best points, counts and privacy cost on its parent run; print one line."""
-    from workbench.explore import sweep_frame
+    from workbench.run_tables import sweep_frame
     from workbench.plots import frontier
 
     s = state["sweep"]

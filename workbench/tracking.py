@@ -13,6 +13,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -424,6 +425,11 @@ def uri_problem(uri: str) -> str | None:
     return None
 
 
+def _creates_store(uri: str) -> bool:
+    """Whether opening `uri` would create its SQLite file: a job refused by its pre-run checks must leave none."""
+    return uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists()
+
+
 class _Background:
     """``fn()`` on a daemon thread; :meth:`result` waits for it and returns its value or raises its error."""
 
@@ -462,10 +468,20 @@ class MlflowTracker(NullTracker):
         self._experiment: _Background | None = None  # the experiment's id, looked up while the job builds
         self.spooled = None
         self.outbox: Outbox | None = None
-        # Staged artifacts and the spool live in the run folder (a temporary one for a tracker used on its own).
-        self.run_folder = cfg.get("output_dir") or tempfile.mkdtemp(prefix="workbench-tracking-")
+        self._own_folder: str | None = None  # a tracker used on its own (no output_dir): a temp folder, made on use
         self._spool_files: list[Path] = []  # this run's spool files on disk (written or replayed by this tracker)
         self.logged_until = {"loss": -1, "steps": -1, "eval_loss": -1}
+
+    @property
+    def run_folder(self) -> str:
+        """Where staged artifacts and the spool live: the run folder, read when needed, not when the tracker is made
+        (a job makes its tracker before it knows its run folder; a spool elsewhere is one the closing line's sync
+        command cannot find, nor a resumed run replay). A tracker used on its own gets a temporary folder."""
+        if self.cfg.get("output_dir"):
+            return str(self.cfg.output_dir)
+        if self._own_folder is None:
+            self._own_folder = tempfile.mkdtemp(prefix="workbench-tracking-")
+        return self._own_folder
 
     @property
     def client(self):
@@ -482,7 +498,8 @@ class MlflowTracker(NullTracker):
         problem = self.problem or reachable(self.uri)
         if problem:
             return problem
-        self._experiment = _Background(self._experiment_id)
+        if not _creates_store(self.uri):  # a fresh SQLite file is made by start(), after the job's own checks
+            self._experiment = _Background(self._experiment_id)
         return None
 
     def settle(self) -> None:
@@ -604,6 +621,8 @@ class MlflowTracker(NullTracker):
         unsent = self.outbox.close()
         self._persist(unsent)
         tidy(self.run_folder)
+        if self._own_folder is not None and not unsent:  # a temporary folder with nothing left in it goes
+            shutil.rmtree(self._own_folder, ignore_errors=True)
         if unsent:
             self.spooled = spool_dir(self.run_folder)
             log.warning("the tracking server did not answer (%s): %d tracking calls spooled to %s; upload them "

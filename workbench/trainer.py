@@ -1,4 +1,4 @@
-"""The DP-SGD training loop (the privacy contract of DESIGN.md, step by step).
+"""The DP-SGD training loop (the privacy contract of docs/DESIGN.md, step by step).
 
 Every logical step, on every rank, whatever its Poisson batch (even empty):
   1. per-sample gradients of the local batch, in physical micro-batches of at most ``max_physical_batch_size``;
@@ -22,7 +22,7 @@ import contextlib
 import torch
 from torch import nn
 
-from workbench import clipping
+from workbench.privacy import clipping
 from workbench.data import Batch, as_batch, step_generator
 from workbench.distributed import Dist, pad_concat
 from workbench.errors import TrainingStopped, WorkbenchError
@@ -302,6 +302,7 @@ class Trainer:
         self.population = population
         self.expected_batch, self.total_steps, self.start_step, self.save_fn = expected_batch, total_steps, start_step, save_fn
         self.history = History()
+        self.failed_step: int | None = None
 
     def _stop_if_not_finite(self, step: int) -> None:
         """Stop on NaN/inf in what the step released: the noised update and the new parameters. Reading them is
@@ -362,6 +363,9 @@ class Trainer:
             self.callbacks.on_train_end(step)
         except KeyboardInterrupt as e:  # SIGINT / SIGTERM (workbench.interrupt): say where the run stopped
             e.step = step
+            raise
+        except Exception:
+            self.failed_step = step  # the step whose batch failed: the job looks for a bad example in it
             raise
         finally:
             self.history = logger.close()

@@ -1,7 +1,7 @@
 """Book-keeping per-sample clipping (Bu et al., 2023): one forward, one backward, no weight gradients of the batch.
 
 The forward keeps each trainable layer's input a; one backward computes the gradient g = dL/dz at each layer output z
-and no weight gradient. Each layer's rule (:mod:`workbench.clipping.layers`: Linear, Embedding, Conv1d/2d,
+and no weight gradient. Each layer's rule (:mod:`workbench.privacy.clipping.layers`: Linear, Embedding, Conv1d/2d,
 LayerNorm/RMSNorm, GroupNorm; biases and frozen parameters included) takes, per call, whichever route holds less
 memory: its per-sample gradients, formed as g arrives (a tap -- an identity autograd node -- on z hands g over during
 the backward, and a and g are let go), or (a, g) kept, the backward returning g. Then per-sample squared norms per
@@ -20,9 +20,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from workbench.clipping.base import LossFn, Strategy, check_tolerance, require_own
-from workbench.clipping.bound import add_exact, clip_factors, exact_float32, materialised, zero_rows
-from workbench.clipping.layers import rule_for, weighted_sum
+from workbench.privacy.clipping.base import LossFn, Strategy, check_tolerance, require_own
+from workbench.privacy.clipping.bound import add_exact, clip_factors, exact_float32, materialised, zero_rows
+from workbench.privacy.clipping.layers import rule_for, weighted_sum
 from workbench.errors import WorkbenchError
 
 
@@ -184,7 +184,7 @@ class BookKeeping(Strategy):
         """Add the micro-batch's clipped gradient sum into ``view_of`` (parameter id -> gradient buffer view). Not
         checked here: GradientStep checks before training, or the micro-batch first while ``checked`` is False, in the
         parameters' precision (``loss_fn`` here may autocast, which the check's comparison with autograd cannot).
-        Each example's contribution as added is at most C (1 + RHO): :mod:`workbench.clipping.bound`."""
+        Each example's contribution as added is at most C (1 + RHO): :mod:`workbench.privacy.clipping.bound`."""
         losses, arrived = self._backward(batch, loss_fn, retain=False, collect=False)
         n = len(losses)
         bound_n = max(n, self.max_batch)  # public: no factor depends on how many examples were drawn

@@ -50,7 +50,7 @@ def require_own(k: int, name: str, mode: str, got: torch.Tensor, ref: torch.Tens
     |terms|), not with their possibly cancelling sum; in half precision small entries underflow, hence the floor at
     the parameter's largest term. ``floor``: rounding noise allowed everywhere (for a check that cannot see the terms).
     A gradient that is not finite is not compared: training zeroes that example's contribution
-    (:func:`workbench.clipping.bound.clip_factors`)."""
+    (:func:`workbench.privacy.clipping.bound.clip_factors`)."""
     if not bool(torch.isfinite(ref).all()):
         return
     bound = tolerance * (ref.abs() + magnitude + float(magnitude.max()) * tolerance) + floor + 1e-12

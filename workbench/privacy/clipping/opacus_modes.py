@@ -1,6 +1,6 @@
 """Opacus' per-sample gradient modes ``hooks``, ``functorch`` and ``ew`` (torch's expanded weights): per-sample
 gradients are materialised in ``p.grad_sample``; their flat norms give the clip factors and one ``addmv_`` per
-parameter the clipped sum, from the very tensors summed (:mod:`workbench.clipping.bound`).
+parameter the clipped sum, from the very tensors summed (:mod:`workbench.privacy.clipping.bound`).
 
 Opacus' ``ghost`` (fast gradient clipping) is refused (:data:`GHOST_REFUSAL`): its norms are float32 Gram sums with
 negatives clamped to 0, its clipped sum a second backward over other numbers, so rounding escapes the clip (one example
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workbench.clipping.base import LossFn, Strategy, check_tolerance, require_own
-from workbench.clipping.bound import add_exact, clip_factors, exact_float32, materialised, zero_rows
+from workbench.privacy.clipping.base import LossFn, Strategy, check_tolerance, require_own
+from workbench.privacy.clipping.bound import add_exact, clip_factors, exact_float32, materialised, zero_rows
 from workbench.errors import WorkbenchError
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workbench.clipping.base import LossFn, Strategy, add_grads
+from workbench.privacy.clipping.base import LossFn, Strategy, add_grads
 
 
 class Summed(Strategy):

@@ -16,6 +16,9 @@ One concept per name (Opacus style):
 Accountants (``ACCOUNTANTS``): ``pld`` (default, tightest; ``dp_accounting`` privacy loss distributions with
 pessimistic rounding, an upper bound), ``rdp`` (``dp_accounting`` Renyi DP), ``prv`` (Opacus' PRV accountant).
 Only ``pld`` supports ``shard="global"`` with ``W > 1``. The neighbouring relation is add-or-remove-one.
+
+This package is where the DP mechanism is gathering (docs/DESIGN.md, "Parts"): per-sample clipping is
+workbench/privacy/clipping/; the accounting above stays in this ``__init__`` until it moves to its own module.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def code_version() -> str:
     """What a cached privacy result (workbench.cache) depends on besides its arguments."""
     from workbench import cache
 
-    return cache.code_version(("privacy.py", "pld_losses.py"), ("dp-accounting", "opacus"))
+    return cache.code_version(("privacy/__init__.py", "pld_losses.py"), ("dp-accounting", "opacus"))
 
 ACCOUNTANTS = ("pld", "rdp", "prv")
 SHARDS = ("per_rank", "global")

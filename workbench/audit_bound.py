@@ -21,14 +21,15 @@ canary's per-step multiplicity (Bernoulli(q) per rank, Binomial(W, q_r) for ``sh
 :func:`ideal_lower_bound` runs the same audit on a simulation of a correct DP-SGD with the run's q, sigma and steps,
 so a weak audit can be told from a broken trainer. The canaries themselves live in :mod:`workbench.canaries`.
 
-``python -m workbench.audit [overrides]`` trains the composed config with ``audit=canaries`` and prints the bound.
+Pure math, below the job runner: ``workbench.audit`` re-exports it under its public path, and ``python -m
+workbench.audit [overrides]`` (workbench/audit/__main__.py) trains with ``audit=canaries`` and prints the bound.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import numpy as np
 from scipy import stats
@@ -181,31 +182,3 @@ def ideal_lower_bound(m: int, sample_rate: float, sigma: float, steps: int, worl
     level = significance / tests
     return max(epsilon_lower_bound(m, kp + km, correct_guesses(scores, members, kp, km), delta, level)
                for kp, km in guess_counts(m))
-
-
-# ------------------------------------------------------------------------------------------------------ CLI
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m workbench.audit [hydra overrides]``: train with ``audit=canaries`` and print the bound."""
-    import sys
-
-    from workbench.api import compose
-    from workbench.errors import WorkbenchError
-    from workbench.run import train
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        result = train(compose(["audit=canaries", *args]))
-    except WorkbenchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    a = result.audit
-    print(f"audit: epsilon >= {a.epsilon_lower_bound:.3f} ({a.correct}/{a.guesses} correct, {a.observer} observer, "
-          f"{a.canaries} canaries, {a.tests} tests at significance {a.significance}); ideal {a.ideal_lower_bound:.3f}; "
-          f"reported epsilon {result.epsilon if result.epsilon is not None else 'inf (privacy=none)'}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

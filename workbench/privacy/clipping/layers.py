@@ -8,9 +8,9 @@ Book-keeping hands a rule each call's (a, g) during the backward, as g arrives. 
   non-private step's, and the clipped sum costs no second weight-gradient kernel.
 - kept calls (``keeps`` true): (a, g) are held until the clip factors are known, then
   ``prepare(m, calls, n)``              what the two steps below share (e.g. the calls joined), computed once;
-  ``bound(m, state, n, batch)``         a :class:`~workbench.clipping.bound.Bound` per example: a certified upper
+  ``bound(m, state, n, batch)``         a :class:`~workbench.privacy.clipping.bound.Bound` per example: a certified upper
                                         bound on the norm of what ``add_clipped`` will add for it (the argument is in
-                                        :mod:`workbench.clipping.bound`), never a float estimate of it;
+                                        :mod:`workbench.privacy.clipping.bound`), never a float estimate of it;
   ``add_clipped(m, state, f, view_of)`` sum_i f_i grad_i into each trainable parameter's buffer view.
   Taken where per-sample gradients would be larger (one row per example through a Linear, embeddings, wide layers).
 ``sample(m, calls, k, absolute)`` is the pre-run check's independent route: example k's own gradient per parameter name
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.clipping.bound import SUBNORMAL, UNDERFLOW, U32, U64, Bound, gamma, norms, norms_rel, squares
+from workbench.privacy.clipping.bound import SUBNORMAL, UNDERFLOW, U32, U64, Bound, gamma, norms, norms_rel, squares
 
 Calls = list[tuple[torch.Tensor, torch.Tensor]]  # (layer input a, gradient g of its output) per call
 

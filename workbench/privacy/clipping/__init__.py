@@ -1,0 +1,51 @@
+"""Per-sample clipping: one strategy per ``grad_sample_mode``, one module each.
+
+- ``book_keeping`` (``bk``): one backward, closed-form per-sample norms, the clipped sum as one matmul per layer;
+- ``opacus_modes``: Opacus' ``hooks``, ``functorch``, ``ew`` (materialised per-sample gradients; ``ghost`` refused);
+- ``bound``: the floating-point bound every private route honours (each example's contribution <= C (1 + RHO));
+- ``nonprivate``: the non-private twin (plain summed gradients through the same buffer).
+
+:func:`make` returns a strategy (interface in :mod:`workbench.privacy.clipping.base`); ``auto`` picks the fastest that fits.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from workbench.privacy.clipping import book_keeping
+from workbench.privacy.clipping.base import LossFn
+from workbench.errors import WorkbenchError
+
+__all__ = ["LossFn", "fastest_grad_sample_mode", "make"]
+
+# Layers torch's expanded weights (grad_sample_mode=ew) computes per-sample gradients for.
+_EW_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.GroupNorm, nn.LayerNorm,
+              nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+
+
+def fastest_grad_sample_mode(model: nn.Module) -> str:
+    """What grad_sample_mode=auto picks, by benchmarks/RESULTS.md: book-keeping where it has a rule for every trainable
+    layer (one backward, per-sample gradients never materialised), expanded weights where that covers every layer,
+    else Opacus' hooks. Every mode's pre-run check still runs: a model that breaks bk's assumptions is refused."""
+    layers = book_keeping.trainable_layers(model)
+    if layers and book_keeping.refusal(layers) is None:
+        return "bk"
+    if layers and all(type(m) in _EW_LAYERS for m in layers):  # exact types: a subclass may compute otherwise
+        return "ew"
+    return "hooks"
+
+
+def make(model: nn.Module, params: list[nn.Parameter], *, max_grad_norm: float | None, mode: str):
+    """The strategy for ``mode`` (not ``auto``: see :func:`fastest_grad_sample_mode`); ``max_grad_norm=None`` gives
+    the non-private twin."""
+    if max_grad_norm is None:
+        from workbench.privacy.clipping.nonprivate import Summed
+
+        return Summed(model, params)
+    if mode == "bk":
+        return book_keeping.BookKeeping(model, max_grad_norm)
+    from workbench.privacy.clipping import opacus_modes
+
+    if mode == "ghost":
+        raise WorkbenchError(opacus_modes.GHOST_REFUSAL)
+    return opacus_modes.PerSampleGradients(model, params, max_grad_norm, mode)
