@@ -188,7 +188,7 @@ class BookKeeping(Strategy):
         losses, arrived = self._backward(batch, loss_fn, retain=False, collect=False)
         n = len(losses)
         bound_n = max(n, self.max_batch)  # public: no factor depends on how many examples were drawn
-        with exact_float32():
+        with exact_float32(losses.device):
             parts = []  # a certified bound per layer route, summed once
             kept = []
             for m, (per_sample, calls) in arrived.items():

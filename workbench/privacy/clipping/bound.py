@@ -15,7 +15,8 @@ The argument (u = 2^-24, float32's unit roundoff; gamma_k = k u / (1 - k u), the
    positions: K = nT) returns exactly sum_k p_k (1 + theta_k) with |theta_k| <= gamma_K (backward error: any order,
    any blocking, FMA or not): example i's share of the sum is its own terms, each perturbed by at most gamma_K, so
    its distance from the exact gradient is at most gamma_K S_i, S_i = sum_t ||g_it|| ||a_it|| (>= the Frobenius norm
-   of sum_t |g_it| |a_it|^T). Rules that form per-sample gradients clip exactly what they sum (their error is
+   of sum_t |g_it| |a_it|^T; bounded above by ||g_i||_F ||a_i||_F, Cauchy-Schwarz). Kernels run on chunks of examples
+   (``layers.KERNEL_ROWS``) so that K is public and small: it never depends on how many examples were drawn. Rules that form per-sample gradients clip exactly what they sum (their error is
    gamma_{n+2} of the norm, in ``rel``: one matrix-vector product and the add into the buffer).
 2. The parts are disjoint blocks of the example's vector, so B_i = (sqrt(sum n2 + sum floor) + sum err)(1 + max rel)
    bounds the norm of the unscaled vector added; :func:`clip_factors` derives f_i <= 1 with f_i B_i <= C - slack
@@ -37,16 +38,15 @@ relies on run in true float32 (:func:`exact_float32`): TF32 or oneDNN's bf16 mod
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 U32 = 2.0 ** -24  # float32 unit roundoff (bf16/fp16 inputs are widened to float32 before any kernel here)
 U64 = 2.0 ** -53
 RHO = 2.0 ** -20  # each example's contribution <= C (1 + RHO); see the module docstring
-BLOCK = 256  # float32 partial sums of squares over at most this many entries, then float64
+BLOCK = 1024  # float32 partial sums of squares over at most this many entries, then float64
 TINY_FACTOR = 2.0 ** -60  # below: float64 route (a float32 factor and its products would lose bits to underflow)
 SUBNORMAL = 2.0 ** -148  # twice the most a square rounded below float32's normal range (2^-126) loses
 # Every operand a kernel multiplies by a scaled value has entries below 2^64: larger ones overflow the float32
@@ -98,17 +98,14 @@ def squares(t: torch.Tensor) -> Bound:
     return Bound(out, rel, floor=p * SUBNORMAL)
 
 
-def norms(t: torch.Tensor) -> torch.Tensor:
-    """Float64 upper bounds on the L2 norms over t's last dim, up to a factor 1 + NORMS_REL that callers fold into
-    their scalar coefficients: float32 squares (inf past 2^64, which sends the example to the float64 route), the
-    squares lost below 2^-126 added back. For the magnitudes S in the kernels' error terms."""
-    d = t.shape[-1]
-    return torch.linalg.vector_norm(t, dim=-1).square_().double().add_(d * SUBNORMAL).sqrt_()
-
-
-def norms_rel(d: int) -> float:
-    """The relative error :func:`norms` leaves to its callers for rows of d entries (float32 sum of d squares)."""
-    return gamma(d + 3) / 2
+def example_norms(t: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Float64 upper bounds on each example's Frobenius norm of t (n, ...), and the relative error left to the caller
+    (a float32 sum of squares): float32 squares (inf past 2^64, which sends the example to the float64 route), the
+    squares lost below 2^-126 added back. For the magnitudes S in the kernels' error terms, by Cauchy-Schwarz:
+    sum_t ||g_t|| ||a_t|| <= ||g||_F ||a||_F."""
+    per_example = t[0].numel() if len(t) else 0
+    sq = torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim()))).square_().double()
+    return sq.add_(per_example * SUBNORMAL).sqrt_(), gamma(per_example + 3) / 2
 
 
 def materialised(t: torch.Tensor, batch: int) -> Bound:
@@ -191,24 +188,41 @@ def add_exact(grads: dict[int, torch.Tensor], clip: float, view_of: dict[int, to
         view.add_((g * factor).to(view.dtype))
 
 
-_PRECISION_FLAGS = ("mkldnn.matmul", "mkldnn.conv", "cuda.matmul", "cudnn.conv")
-
-
-@contextlib.contextmanager
-def exact_float32() -> Iterator[None]:
-    """The bound's kernels in true float32: TF32 (CUDA) and oneDNN's bf16 float32 mode (CPUs with AMX or avx512_bf16,
-    under ``torch.set_float32_matmul_precision("medium")``) round their inputs to 10 or 8 bits, which the gamma_K
-    margins do not cover (a crafted example measured at 59 C that way). Only torch's per-backend flags are touched
-    (mixing its legacy TF32 switches with them makes torch raise); each is restored after."""
-    saved = []
-    for name in _PRECISION_FLAGS:
+def _flags(*names: str) -> tuple:
+    """torch's per-backend float32 precision flags that exist in this build (objects with ``fp32_precision``)."""
+    found = []
+    for name in names:
         backend, op = name.split(".")
         flags = getattr(getattr(torch.backends, backend, None), op, None)
-        if flags is not None and hasattr(flags, "fp32_precision") and flags.fp32_precision != "ieee":
-            saved.append((flags, flags.fp32_precision))
-            flags.fp32_precision = "ieee"
-    try:
-        yield
-    finally:
-        for flags, value in saved:
+        if flags is not None and hasattr(flags, "fp32_precision"):
+            found.append(flags)
+    return tuple(found)
+
+
+_PRECISION_FLAGS = {"cpu": _flags("mkldnn.matmul", "mkldnn.conv"), "cuda": _flags("cuda.matmul", "cudnn.conv")}
+
+
+class exact_float32:  # noqa: N801 - a context manager, used like one
+    """The bound's kernels in true float32: TF32 (CUDA) and oneDNN's bf16 float32 mode (CPUs with AMX or avx512_bf16,
+    under ``torch.set_float32_matmul_precision("medium")``) round their inputs to 10 or 8 bits, which the gamma_K
+    margins do not cover (a crafted example measured at 59 C that way). Only torch's per-backend flags of the device
+    the kernels run on are touched (mixing its legacy TF32 switches with them makes torch raise); each is restored
+    after. A class, not a generator: it runs on every micro-batch."""
+
+    __slots__ = ("flags", "saved")
+
+    def __init__(self, device: torch.device):
+        self.flags = _PRECISION_FLAGS.get(device.type, ())
+        self.saved: list = []
+
+    def __enter__(self) -> None:
+        for flags in self.flags:
+            value = flags.fp32_precision
+            if value != "ieee":
+                self.saved.append((flags, value))
+                flags.fp32_precision = "ieee"
+
+    def __exit__(self, *exc) -> None:
+        for flags, value in self.saved:
             flags.fp32_precision = value
+        self.saved.clear()

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.privacy.clipping.bound import SUBNORMAL, UNDERFLOW, U32, U64, Bound, gamma, norms, norms_rel, squares
+from workbench.privacy.clipping.bound import SUBNORMAL, UNDERFLOW, U32, U64, Bound, example_norms, gamma, squares
 
 Calls = list[tuple[torch.Tensor, torch.Tensor]]  # (layer input a, gradient g of its output) per call
 
@@ -154,20 +154,21 @@ class LinearRule:
             return Bound(n2, rel, slack=UNDERFLOW * math.sqrt(m.weight.numel() + g.shape[1]),
                          floor=2.0 ** -148)  # the float32 product of two tiny squares may round to 0
         # sequences: per-sample gradients formed in float32 (sum over T: within gamma_T S of the exact), the clipped
-        # sum one matmul over n T rows (within gamma_{nT+2} S), S = sum_t ||g_t|| (||a_t|| + 1 with a bias)
+        # sum one matmul per chunk of examples (within gamma_depth S), S = sum_t ||g_t|| (||a_t|| + 1 with a bias)
+        # <= ||g||_F (||a||_F + sqrt(T)) by Cauchy-Schwarz: two passes, no per-position tensors
         steps = a.shape[1]
-        gn, an = norms(g), norms(a)
+        (gn, g_rel), (an, a_rel) = example_norms(g), example_norms(a)
         w = squares(self._weights(a, g)) if "weight" in names else None
         b = squares(g.sum(1)) if "bias" in names else None
         if w is None:
-            n2, rel, floor, magnitude = b.n2, b.rel, b.floor, gn.sum(1)
+            n2, rel, floor, magnitude = b.n2, b.rel, b.floor, gn.mul_(math.sqrt(steps))
         elif b is None:
-            n2, rel, floor, magnitude = w.n2, w.rel, w.floor, torch.linalg.vecdot(gn, an)
+            n2, rel, floor, magnitude = w.n2, w.rel, w.floor, gn.mul_(an)
         else:
             n2, rel, floor = w.n2.double().add_(b.n2), max(w.rel, b.rel), w.floor + b.floor
-            magnitude = torch.linalg.vecdot(gn, an.add_(1.0))
-        scale = (gamma(steps + 1) + gamma(kernel_depth(batch, steps))) * (1 + norms_rel(a.shape[-1])) * (1 + norms_rel(g.shape[-1]))
-        return Bound(n2, rel, magnitude.mul_(scale * (1 + gamma(steps + 1, U64))),
+            magnitude = gn.mul_(an.add_(math.sqrt(steps)))
+        scale = (gamma(steps + 1) + gamma(kernel_depth(batch, steps))) * (1 + g_rel) * (1 + a_rel) * (1 + 4 * U64)
+        return Bound(n2, rel, magnitude.mul_(scale),
                      UNDERFLOW * steps * math.sqrt(sum(getattr(m, k).numel() for k in names)), floor)
 
     def add_clipped(self, m, state, factor, view_of):
@@ -238,8 +239,9 @@ class EmbeddingRule:
         # the float64 sums of an example's repeats (gamma64_T S), the index_add_ over the n T rows (gamma_{nT+2} S);
         # no product after the scaling: subnormal rounding moves each entry by at most 2^-149
         steps = g.shape[1]
-        magnitude = norms(g).sum(1)
-        scale = (1 + norms_rel(g.shape[-1])) * (1 + gamma(steps, U64))
+        magnitude, g_rel = example_norms(g)  # sum_t ||g_t|| <= sqrt(T) ||g||_F
+        magnitude.mul_(math.sqrt(steps))
+        scale = (1 + g_rel) * (1 + 4 * U64)
         return Bound(n2, 0.0, magnitude.mul_((gamma(steps, U64) + gamma(kernel_depth(batch, steps))) * scale),
                      2.0 ** -149 * math.sqrt(g[0].numel()))
 
@@ -319,15 +321,16 @@ class ConvRule:
                      stride=(1, *m.stride) if one_d else m.stride)
         return u.view(len(x), m.groups, -1, u.shape[-1])
 
-    def _patch_norms(self, m, x: torch.Tensor, padding) -> torch.Tensor:
-        """(n, L) float64 upper bounds on the norms of the input patches U_l each output position reads (all
-        channels), without unfolding: the channel-summed squares convolved with a kernel of ones."""
-        sq = x.square().sum(1, keepdim=True).double()  # float32 squares and channel sums: corrected below
+    def _patch_squares(self, m, x: torch.Tensor, padding) -> torch.Tensor:
+        """(n,) float64 upper bounds on sum_l ||U_l||^2 over the input patches U_l the output positions read (all
+        channels), without unfolding: the channel-summed squares convolved with a kernel of ones, then summed."""
+        sq = x.square().sum(1, keepdim=True).double()  # float32 squares (inf past 2^64) and channel sums: corrected
         ones = sq.new_ones(1, 1, *m.kernel_size)
         conv = F.conv1d if x.dim() == 3 else F.conv2d
         patch = conv(sq, ones, None, m.stride, padding, m.dilation).flatten(1)
         p = x.shape[1] * math.prod(m.kernel_size)
-        return patch.mul_(1.0 + gamma(x.shape[1] + 3)).add_(p * 2.0 ** -148).sqrt_().mul_(1.0 + gamma(p + 2, U64))
+        return patch.sum(1).mul_((1.0 + gamma(x.shape[1] + 3)) * (1.0 + gamma(p * patch.shape[1] + 2, U64))).add_(
+            patch.shape[1] * p * SUBNORMAL)
 
     def bound(self, m, state, n, batch):
         """Per-sample norms by the Gram trick in float64 (its rounding within gamma64_D S^2 of the squared norm) or
@@ -337,13 +340,16 @@ class ConvRule:
         g0 = state[0][2]
         n2 = torch.zeros(n, device=g0.device, dtype=torch.float64)
         lengths = sum(math.prod(g.shape[2:]) for _, _, g in state)
-        gn = torch.cat([norms(g.flatten(2).transpose(1, 2)) for _, _, g in state], 1)  # (n, L) ||g_l||
+        # S = sum_l ||g_l|| ||U_l|| <= ||g||_F ||U||_F (Cauchy-Schwarz): per-example passes, no per-position tensors
+        g_norms = [example_norms(g) for _, _, g in state]
+        g_rel = max(r for _, r in g_norms)
+        gn = g_norms[0][0] if len(state) == 1 else torch.stack([t for t, _ in g_norms]).square_().sum(0).sqrt_()
         kernel = gamma(kernel_depth(batch, max(math.prod(g.shape[2:]) for _, _, g in state), len(state)))
         err = torch.zeros(n, device=g0.device, dtype=torch.float64)
         rel, floor = 0.0, 0.0
         if "weight" in names:
-            patches = torch.cat([self._patch_norms(m, x, padding) for x, padding, _ in state], 1)
-            magnitude = torch.linalg.vecdot(gn, patches).mul_((1 + norms_rel(m.out_channels)) * (1 + gamma(lengths, U64)))
+            patches = sum(self._patch_squares(m, x, padding) for x, padding, _ in state).sqrt_()
+            magnitude = patches.mul_(gn).mul_((1 + g_rel) * (1 + 4 * U64))
             gram = self.use_gram(m, lengths)
             p = m.in_channels // m.groups * math.prod(m.kernel_size)
             formed = math.sqrt(gamma(p + m.out_channels + lengths ** 2 + 2, U64)) if gram else gamma(lengths + 1)
@@ -367,7 +373,7 @@ class ConvRule:
             b = squares(sum(g.flatten(2).sum(-1) for _, _, g in state))
             n2 += b.n2
             rel, floor = max(rel, b.rel), floor + b.floor
-            err += gn.sum(1).mul_((gamma(lengths + 1) + kernel) * (1 + norms_rel(m.out_channels)) * (1 + gamma(lengths, U64)))
+            err += gn * (math.sqrt(lengths) * (gamma(lengths + 1) + kernel) * (1 + g_rel) * (1 + 4 * U64))
         slack = UNDERFLOW * lengths * math.sqrt(sum(getattr(m, k).numel() for k in names))
         return Bound(n2, rel, err, slack, floor)
 

@@ -113,7 +113,7 @@ class PerSampleGradients(_Checked):
                                                                                           torch.float32)))
                         for p in self.params if p.grad_sample is not None]
         batch = max(n, self.max_batch)
-        with exact_float32():  # the matrix-vector products below must be the float32 ones the bound assumes
+        with exact_float32(losses.device):  # the matrix-vector products below must be the float32 ones the bound assumes
             factor, rows = clip_factors([materialised(gs, batch) for _, gs in flat_samples], n, self.clip,
                                         next(iter(view_of.values())).dtype, losses.device)
             for view, gs in flat_samples:  # rows: recomputed alone in float64 below (0 * inf is NaN in the sum)
