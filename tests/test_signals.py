@@ -33,7 +33,12 @@ def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path) -> None:
     deadline = time.monotonic() + 300
     while not checkpoint.list_checkpoints(run_dir):
         assert proc.poll() is None, proc.communicate()[1][-2000:]
-        assert time.monotonic() < deadline, "no checkpoint was written"
+        if time.monotonic() >= deadline:  # say where the job stood: its own logs and the ranks' (submitit's)
+            _kill_group(proc)
+            logs = {p.name: p.read_text(errors="replace")[-1500:] for p in run_dir.parent.rglob("*")
+                    if p.is_file() and p.suffix in (".err", ".out", ".log")}
+            raise AssertionError(f"no checkpoint was written in 300 s; stderr: {proc.communicate()[1][-1500:]}; "
+                                 f"logs: {logs}")
         time.sleep(0.2)
 
 
