@@ -122,7 +122,7 @@ MUTANTS = (
            "bound_n = n", ("tests/test_fp_bound.py::test_an_examples_clip_factor_does_not_depend_on_how_many_others_"
                            "were_drawn",)),
     Mutant("fp-huge-gradient-dropped", "a finite gradient past float32's squares contributes 0 instead of C",
-           "workbench/privacy/clipping/bound.py", "    if top == 0.0:\n        return", "    if True:\n        return",
+           "workbench/privacy/clipping/bound.py", "if top == 0.0 or not math.isfinite(top):", "if True:",
            ("tests/test_fp_bound.py::test_a_finite_gradient_past_float32s_squares_is_clipped_to_c_not_dropped[bk]",
             "tests/test_fp_bound.py::test_a_finite_gradient_past_float32s_squares_is_clipped_to_c_not_dropped[hooks]")),
     Mutant("pinned-seed-logged", "a pinned secure_seed reaches MLflow's params unredacted",

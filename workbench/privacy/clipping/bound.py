@@ -177,9 +177,7 @@ def add_exact(grads: dict[int, torch.Tensor], clip: float, view_of: dict[int, to
     if not grads:
         return
     top = max(float(g.abs().max()) if g.numel() else 0.0 for g in grads.values())
-    if not math.isfinite(top):
-        return
-    if top == 0.0:
+    if top == 0.0 or not math.isfinite(top):  # nothing to add, or not finite even in float64
         return
     norm = top * math.sqrt(sum(float((g / top).square().sum()) for g in grads.values()))
     factor = min(1.0, clip / norm)
