@@ -1,6 +1,6 @@
 """The presets the benchmarks measure, built exactly as ``python -m workbench`` builds them: the config composed by
 ``workbench.compose`` (Hydra, ``conf/``), then data, model (+ LoRA adapters, + ``prepare_model``) and criterion
-instantiated from it the way ``workbench.run._build`` does, under the preset's seed. Batches are drawn by workbench's
+instantiated from it the way ``workbench.job.build`` does, under the preset's seed. Batches are drawn by workbench's
 Poisson sampler and collated by workbench's training loader (the preset's ``data.collator``), then replayed.
 """
 
@@ -48,7 +48,7 @@ class Preset:
         return PRESETS[self.name][1]
 
     def model(self) -> nn.Module:
-        """The model as ``workbench.run._build`` makes it: ``model`` node, then ``peft``, then ``prepare_model``."""
+        """The model as ``workbench.job.build`` makes it: ``model`` node, then ``peft``, then ``prepare_model``."""
         from workbench import config
         from workbench.models import prepare_model
 
@@ -77,9 +77,10 @@ class Preset:
     def poisson_batches(self, count: int, seed: int = 0, rank: int = 0, world_size: int = 1) -> list:
         """``count`` collated batches of this rank's ``per_rank`` shard, as the training loader yields them."""
         from workbench import data
+        from workbench.privacy import sampling
 
-        shard = data.train_shard(len(self.dataset), rank, world_size, "per_rank", self.batch_size)
-        sampler = data.PoissonBatchSampler(shard, count, seed, rank)
+        shard = sampling.train_shard(len(self.dataset), rank, world_size, "per_rank", self.batch_size)
+        sampler = sampling.PoissonBatchSampler(shard, count, seed, rank)
         return list(data.train_loader(self.dataset, sampler, self.cfg, torch.device("cpu"), self.collator))
 
     def first_examples(self, count: int):

@@ -5,7 +5,7 @@ store is ``./mlflow.db`` there, as for a new user), ``OMP_NUM_THREADS=1``. workb
 ``sitecustomize`` module on ``PYTHONPATH`` (read by the interpreter at start, before ``-m workbench``) installs an
 import hook that, once workbench's modules load, wraps a few of their functions to write wall-clock timestamps:
 - ``imports``: ``workbench.run`` imported (torch, hydra, omegaconf, opacus validators, dp_accounting ...);
-- ``build``: ``workbench.run._build`` done (config checks, data, model, noise calibration, sampler, loaders);
+- ``build``: ``workbench.job.build`` done (config checks, data, model, noise calibration, sampler, loaders);
 - ``tracker``: the MLflow run started (rank 0; ``tracking.enabled=false`` skips it);
 - ``first_step``: the first ``GradientStep`` call begins (the figure), and ends;
 and, inside the build, the durations of loading the data (``Digits``), ``calibrate_noise`` and the budget check
@@ -58,15 +58,15 @@ def _timed(owner, attr, label):
 def _patch(name, module):
     if name == "workbench.run":
         _mark("imports")
-        build = module._build
+        build = module.build
 
         def _build(*a, **k):
             out = build(*a, **k)
             _mark("build")
             return out
 
-        module._build = _build
-    elif name == "workbench.trainer":
+        module.build = _build
+    elif name == "workbench.step":
         call = module.GradientStep.__call__
         seen = []
 
@@ -90,7 +90,7 @@ def _patch(name, module):
             return out
 
         module.MlflowTracker.start = tracker_start
-    elif name == "workbench.privacy":
+    elif name == "workbench.privacy.mechanism":
         _timed(module, "calibrate_noise", "calibrate_noise")
         _timed(module.Accountant, "max_steps", "budget_max_steps")
     elif name == "workbench.data":
@@ -98,7 +98,7 @@ def _patch(name, module):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    names = {"workbench.run", "workbench.trainer", "workbench.tracking", "workbench.privacy", "workbench.data"}
+    names = {"workbench.run", "workbench.step", "workbench.tracking", "workbench.privacy.mechanism", "workbench.data"}
 
     def find_spec(self, name, path, target=None):
         if name not in self.names:

@@ -108,7 +108,7 @@ def workbench_step(model: nn.Module, mode: str | None, dist=None, check_on: Any 
                    max_physical_batch_size: int = 512) -> Callable[[Any, int], None]:
     """One step as ``Trainer.fit`` takes it; ``mode=None`` is GradientStep's non-private twin. ``check_on``: a few
     examples for the pre-run check, as ``workbench.run`` does (8); without it the first step checks 8 of its own."""
-    from workbench.trainer import GradientStep
+    from workbench.step import GradientStep
 
     gs = GradientStep(model, criterion or nn.CrossEntropyLoss(reduction="none"), dist or single_process_dist(),
                       max_grad_norm=None if mode is None else CLIP, noise_multiplier=SIGMA,
@@ -275,10 +275,11 @@ class OursLoop:
 
     def __init__(self, model_name: str, mode: str, ds):
         from workbench import data
+        from workbench.privacy import sampling
 
         self.step = workbench_step(make_model(model_name), mode, check_on=data.first_examples(ds, 8))
-        shard = data.train_shard(len(ds), 0, 1, "per_rank", BATCH)
-        sampler = data.PoissonBatchSampler(shard, 10**9, seed=0, rank=0)
+        shard = sampling.train_shard(len(ds), 0, 1, "per_rank", BATCH)
+        sampler = sampling.PoissonBatchSampler(shard, 10**9, seed=0, rank=0)
         cfg = SimpleNamespace(dataloader_num_workers=0, dataloader_pin_memory=False,
                               dataloader_persistent_workers=False, dataloader_prefetch_factor=None)
         self.it = iter(data.train_loader(ds, sampler, cfg, torch.device("cpu")))

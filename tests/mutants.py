@@ -38,7 +38,8 @@ class Mutant:
     killers: tuple[str, ...]  # pytest node ids that must fail on the mutant
 
 
-NOISE_GATE = "if self.private and self.sigma > 0 and self.dist.rank == 0:"
+NOISE_GATE = "self.adds = self.sigma > 0 and self.rank == 0"
+NOISE_CALL = "        if self.noise is not None:  # 3:"
 FP_CANCEL = "tests/test_fp_bound.py::test_inputs_that_cancel_across_positions_are_released_within_the_clip"
 FP_FUZZ = "tests/test_fp_bound.py::test_no_example_is_released_above_the_clip_in_floating_point"
 
@@ -47,23 +48,23 @@ MUTANTS = (
            "workbench/trainer.py", "self.step_fn.divide_(self.expected_batch)", "self.step_fn.divide_(max(count, 1.0))",
            ("tests/test_trainer.py::test_update_is_the_clipped_sum_over_the_expected_batch_not_the_realised_one",)),
     Mutant("noise-on-every-rank", "every rank adds sigma*C noise: W times the noise in the sum (and W-fold accounting lie)",
-           "workbench/trainer.py", NOISE_GATE, "if self.private and self.sigma > 0:",
+           "workbench/privacy/noise.py", NOISE_GATE, "self.adds = self.sigma > 0",
            ("tests/test_distributed.py::test_noise_is_added_exactly_once_cluster_wide[2]",)),
     Mutant("no-noise-on-empty-batch", "a step whose Poisson batch is empty releases no noise",
-           "workbench/trainer.py", NOISE_GATE, NOISE_GATE.replace(":", " and batch is not None:"),
+           "workbench/step.py", NOISE_CALL, NOISE_CALL.replace(" is not None:", " is not None and batch is not None:"),
            ("tests/test_trainer.py::test_noise_std_is_sigma_times_clip_and_reproducible",)),
     Mutant("sampler-takes-first-k", "the batch is the first k examples (k ~ Binomial(n, q), so sizes look right)",
-           "workbench/data.py", "mask = torch.rand(len(self.shard.indices), generator=g) < self.shard.sample_rate",
+           "workbench/privacy/sampling.py", "mask = torch.rand(len(self.shard.indices), generator=g) < self.shard.sample_rate",
            "mask = torch.arange(len(self.shard.indices)) < "
            "(torch.rand(len(self.shard.indices), generator=g) < self.shard.sample_rate).sum()",
            ("tests/test_data.py::test_each_example_is_included_binomial_t_q_times",
             "tests/test_data.py::test_pairs_of_examples_are_included_together_q_squared_of_the_time")),
     Mutant("accountant-q-of-other-shard-mode", "the accountant gets the other shard mode's q (per_rank: B / (W N))",
-           "workbench/run.py",
-           "accountant = privacy.Accountant(p.accountant, shard.sample_rate, sigma, world_size, cfg.ddp_shard)",
-           "accountant = privacy.Accountant(p.accountant, data.train_shard(shard.population, 0, world_size, 'global' "
-           "if cfg.ddp_shard == 'per_rank' else 'per_rank', cfg.per_device_train_batch_size).sample_rate, sigma, "
-           "world_size, cfg.ddp_shard)",
+           "workbench/privacy/mechanism.py",
+           "accountant = Accountant(p.accountant, shard.sample_rate, sigma, world_size, shard_mode)",
+           "accountant = Accountant(p.accountant, __import__('workbench.privacy.sampling', fromlist=['_']).train_shard("
+           "shard.population, 0, world_size, 'global' if shard_mode == 'per_rank' else 'per_rank', "
+           "shard.expected_batch // world_size).sample_rate, sigma, world_size, shard_mode)",
            ("tests/test_distributed.py::test_parameters_stay_identical_and_only_rank_zero_tracks",)),
     Mutant("clip-per-layer", "each parameter's per-example gradient is clipped to C on its own, not the whole flat one",
            "workbench/privacy/clipping/opacus_modes.py", "torch.mv(gs.t(), factor.to(gs.dtype))",
@@ -136,10 +137,10 @@ MUTANTS = (
            "workbench/tracking.py", 'return _SECRET_OVERRIDE.sub(r"\\1<redacted>", text)', "return text",
            ("tests/test_tracking.py::test_secrets_never_reach_mlflow",)),
     Mutant("budget-stop-ignored", "a run with fixed sigma takes all planned steps past target_epsilon",
-           "workbench/run.py", "            total_steps = budget\n", "            pass\n",
+           "workbench/privacy/mechanism.py", "            steps = budget\n", "            pass\n",
            ("tests/test_privacy.py::test_a_run_with_fixed_noise_stops_at_the_budget",)),
     Mutant("resume-draws-a-fresh-secret", "a resumed unpinned run ignores its checkpoint's secret",
-           "workbench/run.py", 'secret = state["secret"]', "secret = secret",
+           "workbench/job.py", 'secret = state["secret"]', "secret = secret",
            ("tests/test_resume.py::test_an_unpinned_run_resumes_with_the_secret_of_its_checkpoint",)),
     Mutant("poisson-mean-below-one-accepted", "random stopping with a Poisson mean below 1 runs, and its bound's "
            "log(mu) term publishes less than one run's epsilon", "workbench/config.py",
@@ -150,7 +151,7 @@ MUTANTS = (
            "    for c in [c for c, n in zip(candidates, state['trials']) if n]:\n",
            ("tests/test_sweeps.py::test_random_stopping_bounds_every_point_of_the_grid_drawn_or_not",)),
     Mutant("profile-bound-without-second-term", "the profile bound drops the term for how the best is chosen",
-           "workbench/selection.py", "math.exp(e1) * second <= room", "0 * second <= room",
+           "workbench/privacy/accounting/selection.py", "math.exp(e1) * second <= room", "0 * second <= room",
            ("tests/test_sweeps.py::test_the_profile_bound_is_never_below_the_exact_selection_privacy_of_a_toy",)),
 )
 

@@ -96,7 +96,7 @@ from tests.oracle import CLIPPED_RTOL  # noqa: E402
 from workbench.privacy.clipping.bound import RHO  # noqa: E402
 from torch import nn  # noqa: E402
 
-from workbench.canaries import BLOCK, CanaryAudit  # noqa: E402
+from workbench.privacy.auditing.canaries import BLOCK, CanaryAudit  # noqa: E402
 
 
 def _set(n=12, seed=1):
@@ -114,7 +114,7 @@ def _model():
 @pytest.mark.parametrize("mode", ["bk", "hooks", "functorch", "ew"])
 def test_canaries_take_the_trainers_own_path_and_touch_only_their_coordinate(mode):
     from workbench.distributed import setup
-    from workbench.trainer import GradientStep
+    from workbench.step import GradientStep
 
     base, m, clip = _set(), 10, 0.5
     ordinary = list(range(len(base)))

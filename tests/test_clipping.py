@@ -13,7 +13,7 @@ from workbench.privacy.clipping.layers import ConvRule, LinearRule
 from workbench.distributed import setup
 from workbench.errors import WorkbenchError
 from workbench.models import TinyTransformer
-from workbench.trainer import GradientStep
+from workbench.step import GradientStep
 
 CLIP = 0.3  # small enough that clipping bites on most examples here
 

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from workbench.data import Digits, PoissonBatchSampler, Synthetic, eval_shard, step_generator, train_shard
+from workbench.data import Digits, Synthetic, eval_shard
+from workbench.privacy.sampling import PoissonBatchSampler, step_generator, train_shard
 from workbench.errors import WorkbenchError
 
 

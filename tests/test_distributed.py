@@ -30,7 +30,7 @@ def _data(n=24):
 def _grads_on_rank(parts, sigma, steps=1):
     """Each rank takes its slice of `parts` (None = empty Poisson batch) through one GradientStep per step."""
     from workbench.distributed import setup, teardown
-    from workbench.trainer import GradientStep
+    from workbench.step import GradientStep
 
     d = setup("gloo")
     try:
@@ -75,7 +75,7 @@ def _eval_on_rank(n, force_object, batched, ragged):
     from workbench.data import ArrayDataset, eval_loader, eval_shard
     from workbench.distributed import setup, teardown
     from workbench.metrics import EvalPrediction, accuracy
-    from workbench.trainer import Evaluator
+    from workbench.evaluation import Evaluator
     from workbench.api import compose
 
     d = setup("gloo")

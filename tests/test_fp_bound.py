@@ -21,7 +21,7 @@ from torch import nn
 from workbench.privacy.clipping.bound import RHO
 from workbench.distributed import setup
 from workbench.errors import WorkbenchError
-from workbench.trainer import GradientStep
+from workbench.step import GradientStep
 
 EXAMPLES = int(os.environ.get("WORKBENCH_FUZZ_EXAMPLES", "120"))
 FUZZ = "WORKBENCH_FUZZ_EXAMPLES" in os.environ

@@ -15,7 +15,7 @@ from workbench import hf  # noqa: E402
 from workbench.data import PadCollator  # noqa: E402
 from workbench.distributed import setup  # noqa: E402
 from workbench.losses import TokenCrossEntropy  # noqa: E402
-from workbench.trainer import GradientStep  # noqa: E402
+from workbench.step import GradientStep  # noqa: E402
 
 GPT2 = dict(model_type="gpt2", vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0)

@@ -28,7 +28,7 @@ def test_resnet_gets_book_keeping_and_synthetic_images_are_deterministic():
 def test_resnet_gn_clips_each_example_exactly():
     """The whole GroupNorm ResNet through book-keeping: each example's clipped gradient is its own (autograd, alone)."""
     from workbench.distributed import setup
-    from workbench.trainer import GradientStep
+    from workbench.step import GradientStep
 
     def make():
         torch.manual_seed(0)

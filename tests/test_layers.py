@@ -12,7 +12,7 @@ from torch import nn
 from workbench.config import GRAD_SAMPLE_MODES
 from workbench.distributed import setup
 from workbench.errors import WorkbenchError
-from workbench.trainer import GradientStep
+from workbench.step import GradientStep
 
 CLASSES, BATCH, PHYSICAL, CLIP = 3, 7, 4, 0.05  # 7 examples in micro-batches of 4 and 3; the clip binds for most
 

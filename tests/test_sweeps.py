@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 from scipy.stats import norm
 
 from tests.conftest import run_cli
-from workbench import compose, explore, run, selection, sweep
+from workbench import compose, explore, job, run, sweep
+from workbench.privacy.accounting import selection, tuning
 from workbench.privacy import Accountant
 
 
@@ -185,8 +186,8 @@ def test_sweep_epsilon_all_is_dp_accountings_composition_of_mixed_events():
     acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=2e-4)
     for a, steps in runs:
         acc.compose(a.event(steps))  # the Poisson and the parallel-Poisson (mixture of Gaussians) events
-    assert sweep.composed_epsilon(runs, 1e-5) == pytest.approx(acc.get_epsilon(1e-5), rel=0.01)
-    assert sweep.composed_epsilon(runs[:1], 1e-5) == pytest.approx(runs[0][0].epsilon(300, 1e-5), rel=1e-9)
+    assert tuning.composed_epsilon(runs, 1e-5) == pytest.approx(acc.get_epsilon(1e-5), rel=0.01)
+    assert tuning.composed_epsilon(runs[:1], 1e-5) == pytest.approx(runs[0][0].epsilon(300, 1e-5), rel=1e-9)
 
 
 def _gaussian_rdp(order, sigma):
@@ -202,13 +203,13 @@ def test_random_stopping_truncated_negative_binomial_is_theorem_2_on_a_worked_ex
     # One trial: a Gaussian mechanism (q = 1, one step) with sigma = 4. K ~ D_{eta=1, gamma=0.1}, the geometric
     # distribution: E[K] = 1 / gamma = 10 trials.
     sigma, eta, gamma, delta = 4.0, 1.0, 0.1, 1e-6
-    assert sweep.expected_trials("truncated_negative_binomial", eta=eta, gamma=gamma) == pytest.approx(10.0)
+    assert tuning.expected_trials("truncated_negative_binomial", eta=eta, gamma=gamma) == pytest.approx(10.0)
     orders = [1 + x / 10 for x in range(1, 100)] + list(range(11, 64))
     hat = min([(1 + eta) * math.log(1 / gamma)]
               + [(1 + eta) * (1 - 1 / a) * _gaussian_rdp(a, sigma) + (1 + eta) * math.log(1 / gamma) / a for a in orders])
     tuned = [_gaussian_rdp(a, sigma) + hat + math.log(10.0) / (a - 1) for a in orders]
     expected = _rdp_to_dp(orders, tuned, delta)
-    got = sweep.random_stopping_epsilon([(Accountant("pld", 1.0, sigma), 1)], delta, "truncated_negative_binomial",
+    got = tuning.random_stopping_epsilon([(Accountant("pld", 1.0, sigma), 1)], delta, "truncated_negative_binomial",
                                         eta=eta, gamma=gamma, orders=orders)
     assert got == pytest.approx(expected, rel=1e-6)
     one_run = Accountant("rdp", 1.0, sigma).epsilon(1, delta)
@@ -224,7 +225,7 @@ def test_random_stopping_poisson_is_theorem_6_on_a_worked_example():
 
     tuned = [_gaussian_rdp(a, sigma) + mu * gaussian_delta(math.log1p(1 / (a - 1))) + math.log(mu) / (a - 1)
              for a in orders]
-    got = sweep.random_stopping_epsilon([(Accountant("pld", 1.0, sigma), 1)], delta, "poisson", poisson_mean=mu,
+    got = tuning.random_stopping_epsilon([(Accountant("pld", 1.0, sigma), 1)], delta, "poisson", poisson_mean=mu,
                                         orders=orders)
     assert got == pytest.approx(_rdp_to_dp(orders, tuned, delta), rel=1e-3)  # delta_hat from the (pessimistic) PLD
 
@@ -233,9 +234,9 @@ def test_truncated_negative_binomial_draws_have_the_papers_mean():
     import random
 
     s = compose(["sweep.trials=truncated_negative_binomial", "sweep.tnb_eta=0.5", "sweep.tnb_gamma=0.3"]).sweep
-    pmf_mean = sum(k * sweep._tnb_pmf(k, 0.5, 0.3) for k in range(1, 2000))
-    assert sum(sweep._tnb_pmf(k, 0.5, 0.3) for k in range(1, 2000)) == pytest.approx(1.0)
-    assert pmf_mean == pytest.approx(sweep.expected_trials(s.trials, eta=0.5, gamma=0.3))
+    pmf_mean = sum(k * tuning._tnb_pmf(k, 0.5, 0.3) for k in range(1, 2000))
+    assert sum(tuning._tnb_pmf(k, 0.5, 0.3) for k in range(1, 2000)) == pytest.approx(1.0)
+    assert pmf_mean == pytest.approx(tuning.expected_trials(s.trials, eta=0.5, gamma=0.3))
     rng = random.Random(0)
     draws = [sweep.draw_trials(s, rng) for _ in range(4000)]
     assert min(draws) >= 1 and sum(draws) / len(draws) == pytest.approx(pmf_mean, rel=0.1)
@@ -256,8 +257,8 @@ def test_random_stopping_sweep_trains_the_drawn_trials_and_reports_the_bound(tmp
     assert m["sweep_epsilon_best"] > max(c.data.metrics["epsilon"] for c in children)
     runs = [(Accountant("pld", c.data.metrics["sample_rate"], c.data.metrics["noise_multiplier"]), 20) for c in children]
     args = (m["sweep_delta"], "truncated_negative_binomial", 3.0, 1, 0.5)
-    assert m["sweep_epsilon_best_rdp"] == pytest.approx(sweep.random_stopping_epsilon(runs, *args))
-    assert m["sweep_epsilon_best_profile"] == pytest.approx(sweep.profile_epsilon(runs, *args))
+    assert m["sweep_epsilon_best_rdp"] == pytest.approx(tuning.random_stopping_epsilon(runs, *args))
+    assert m["sweep_epsilon_best_profile"] == pytest.approx(tuning.profile_epsilon(runs, *args))
     assert m["sweep_epsilon_best"] == min(m["sweep_epsilon_best_rdp"], m["sweep_epsilon_best_profile"])
     assert "sweep_notes" not in parents[0].data.tags  # learning rates: one mechanism, every point bounded
 
@@ -276,16 +277,16 @@ def test_random_stopping_bounds_every_point_of_the_grid_drawn_or_not(tmp_path, m
     m = MlflowClient(uri).get_run(parent).data.metrics
     # The epsilon-8 point never trained, yet the bound is that of the grid's worst point, built from its config.
     eight = compose([*common, *points[1]])
-    worst = run.planned_mechanism(eight)
+    worst = job.planned_mechanism(eight)
     mechanism = [(Accountant("pld", worst["sample_rate"], worst["noise_multiplier"]), worst["planned_steps"])]
     args = (m["sweep_delta"], "poisson", 1.0)
-    assert m["sweep_epsilon_best_rdp"] == pytest.approx(sweep.random_stopping_epsilon(mechanism, *args), rel=1e-9)
-    assert m["sweep_epsilon_best_profile"] == pytest.approx(sweep.profile_epsilon(mechanism, *args), rel=1e-9)
+    assert m["sweep_epsilon_best_rdp"] == pytest.approx(tuning.random_stopping_epsilon(mechanism, *args), rel=1e-9)
+    assert m["sweep_epsilon_best_profile"] == pytest.approx(tuning.profile_epsilon(mechanism, *args), rel=1e-9)
     assert m["sweep_epsilon_best"] == min(m["sweep_epsilon_best_rdp"], m["sweep_epsilon_best_profile"])
     assert m["sweep_epsilon_best"] > 8.0  # more than the worst point's own epsilon, not the trained point's 1
     trained = [(Accountant("pld", children[0].data.metrics["sample_rate"],
                            children[0].data.metrics["noise_multiplier"]), 20)]
-    assert m["sweep_epsilon_best"] > sweep.random_stopping_epsilon(trained, *args) + 3
+    assert m["sweep_epsilon_best"] > tuning.random_stopping_epsilon(trained, *args) + 3
 
 
 def test_points_on_different_data_warn_that_the_bound_does_not_apply(tmp_path, monkeypatch):
@@ -322,7 +323,7 @@ def _exact_profile(p, p_other):
 
 
 def _tnb_phi(eta, gamma):
-    return lambda z: sum(sweep._tnb_pmf(k, eta, gamma) * np.asarray(z, dtype=float) ** k for k in range(1, 400))
+    return lambda z: sum(tuning._tnb_pmf(k, eta, gamma) * np.asarray(z, dtype=float) ** k for k in range(1, 400))
 
 
 TOYS = {  # (p, p_other): randomized response with e^eps0 = 3; a 4-level ordered mechanism whose order follows its loss
@@ -342,7 +343,7 @@ def test_the_generating_function_derivative_is_the_distributions(trials):
     numeric = (phi(u + 1e-6) - phi(u - 1e-6)) / 2e-6
     assert selection.pgf_derivative(kind, mu, eta, gamma)(u) == pytest.approx(numeric, rel=1e-4)
     assert selection.pgf_derivative(kind, mu, eta, gamma)(np.array([1.0]))[0] == pytest.approx(
-        sweep.expected_trials(kind, mu, eta, gamma))
+        tuning.expected_trials(kind, mu, eta, gamma))
 
 
 @pytest.mark.parametrize("toy", TOYS)
@@ -364,16 +365,16 @@ def test_random_stopping_rdp_bound_is_dp_accountings_repeat_and_select():
     from dp_accounting.rdp import RdpAccountant
 
     base = Accountant("pld", 0.02, 1.1)
-    orders = list(sweep.ORDERS)
+    orders = list(tuning.ORDERS)
     for eta, gamma in ((1.0, 0.1), (0.5, 0.3), (0.0, 0.2)):
-        mean = sweep.expected_trials("truncated_negative_binomial", eta=eta, gamma=gamma)
+        mean = tuning.expected_trials("truncated_negative_binomial", eta=eta, gamma=gamma)
         theirs = RdpAccountant(orders=orders).compose(
             dp_accounting.dp_event.RepeatAndSelectDpEvent(base.event(300), mean, eta)).get_epsilon(1e-5)
-        ours = sweep.random_stopping_epsilon([(base, 300)], 1e-5, "truncated_negative_binomial", eta=eta, gamma=gamma)
+        ours = tuning.random_stopping_epsilon([(base, 300)], 1e-5, "truncated_negative_binomial", eta=eta, gamma=gamma)
         assert ours == pytest.approx(theirs, rel=2e-3)  # theirs inverts the mean to gamma numerically
     theirs = RdpAccountant(orders=orders).compose(
         dp_accounting.dp_event.RepeatAndSelectDpEvent(base.event(300), 3.0, math.inf)).get_epsilon(1e-5)
-    ours = sweep.random_stopping_epsilon([(base, 300)], 1e-5, "poisson", poisson_mean=3.0)
+    ours = tuning.random_stopping_epsilon([(base, 300)], 1e-5, "poisson", poisson_mean=3.0)
     # Theorem 6 with delta_hat from the PLD (ours) rather than from the RDP curve (theirs): the same form, tighter
     assert base.epsilon(300, 1e-5) < ours <= theirs * 1.001
 
@@ -382,21 +383,21 @@ def test_random_stopping_rdp_bound_is_dp_accountings_repeat_and_select():
 def test_the_profile_bound_beats_rdp_on_dp_sgd_and_stays_above_one_run(trials):
     runs = [(Accountant("pld", 0.02, 1.0), 300), (Accountant("pld", 0.01, 0.8), 1000)]
     args = (1e-5, trials, 3.0, 0.0, 0.1)
-    profile, rdp = sweep.profile_epsilon(runs, *args), sweep.random_stopping_epsilon(runs, *args)
+    profile, rdp = tuning.profile_epsilon(runs, *args), tuning.random_stopping_epsilon(runs, *args)
     worst = max(a.epsilon(n, 1e-5) for a, n in runs)
     assert worst < profile < rdp
     # the worst candidate decides: dropping the milder one changes nothing, dropping the worst lowers the bound
-    assert sweep.profile_epsilon(runs[1:], *args) == pytest.approx(profile, rel=1e-9)
-    assert sweep.profile_epsilon(runs[:1], *args) < profile - 0.5
+    assert tuning.profile_epsilon(runs[1:], *args) == pytest.approx(profile, rel=1e-9)
+    assert tuning.profile_epsilon(runs[:1], *args) < profile - 0.5
 
 
 def test_a_candidate_without_noise_or_steps_never_crashes_the_bound():
     runs = [(Accountant("pld", 0.02, 1.0), 300)]
     args = (1e-5, "poisson", 3.0)
-    assert sweep.profile_epsilon([*runs, (Accountant("pld", 0.02, 0.0), 10)], *args) == math.inf
-    assert sweep.random_stopping_epsilon([*runs, (Accountant("pld", 0.02, 0.0), 10)], *args) == math.inf
-    assert sweep.profile_epsilon([*runs, (Accountant("pld", 0.5, 0.3), 0)], *args) == sweep.profile_epsilon(runs, *args)
-    assert sweep.random_stopping_epsilon([(Accountant("pld", 0.5, 0.3), 0)], *args) == 0.0  # never reads the data
+    assert tuning.profile_epsilon([*runs, (Accountant("pld", 0.02, 0.0), 10)], *args) == math.inf
+    assert tuning.random_stopping_epsilon([*runs, (Accountant("pld", 0.02, 0.0), 10)], *args) == math.inf
+    assert tuning.profile_epsilon([*runs, (Accountant("pld", 0.5, 0.3), 0)], *args) == tuning.profile_epsilon(runs, *args)
+    assert tuning.random_stopping_epsilon([(Accountant("pld", 0.5, 0.3), 0)], *args) == 0.0  # never reads the data
 
 
 def test_a_non_private_candidate_makes_the_best_bound_infinite_with_a_note(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ from torch import nn
 from workbench.distributed import setup
 from workbench.errors import WorkbenchError
 from workbench.models import prepare_model
-from workbench.trainer import GradientStep
+from workbench.step import GradientStep
 
 
 def _model(seed=0):

@@ -13,7 +13,8 @@ from workbench.distributed import setup
 from workbench.errors import WorkbenchError
 from workbench.losses import TokenCrossEntropy
 from workbench.models import LSTMClassifier, TransformerClassifier, prepare_model
-from workbench.trainer import Evaluator, GradientStep
+from workbench.evaluation import Evaluator
+from workbench.step import GradientStep
 
 
 class _Out:
@@ -615,7 +616,8 @@ def test_fp16_job_trains_on_cuda(make_cfg, mlflow_uri):
 def test_cuda_loader_pins_memory_and_noise_is_drawn_on_the_device_from_the_step_stream():
     from types import SimpleNamespace
 
-    from workbench.data import PoissonBatchSampler, train_loader, train_shard
+    from workbench.data import train_loader
+    from workbench.privacy.sampling import PoissonBatchSampler, train_shard
 
     cfg = SimpleNamespace(dataloader_num_workers=0, dataloader_pin_memory=True)
     dataset = torch.utils.data.TensorDataset(torch.randn(64, 6), torch.randint(0, 3, (64,)))

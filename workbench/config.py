@@ -62,7 +62,7 @@ class PrivacyConfig:
 
 @dataclass
 class AuditConfig:
-    enabled: bool = False  # audit=canaries: the one-run privacy audit (workbench/audit_bound.py)
+    enabled: bool = False  # audit=canaries: the one-run privacy audit (workbench/privacy/auditing/)
     canaries: int = 1000
     significance: float = 0.05
 

@@ -1,8 +1,7 @@
-"""Datasets, shard modes, the Poisson batch sampler and the loaders (see the privacy contract in docs/DESIGN.md).
+"""Datasets, collators and the loaders.
 
-Training batches are never formed by a DataLoader sampler: :class:`PoissonBatchSampler` draws each logical step's batch
-as an independent Bernoulli(q) choice per example, from a stream seeded by (seed, rank, step). Being stateless per step,
-a resumed run draws exactly the batches the uninterrupted run would have drawn.
+Training batches are never formed by a DataLoader sampler: the loader takes its batches from the mechanism's Poisson
+sampler (workbench/privacy/sampling.py) as given.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -224,77 +223,6 @@ def as_batch(raw: Any) -> Batch | None:
                          f"{type(raw).__name__}{'' if not isinstance(raw, (tuple, list)) else f' of {len(raw)}'}")
 
 
-@dataclass(frozen=True)
-class Shard:
-    """The examples one rank samples from, and the population the accountant sees."""
-
-    indices: range
-    population: int  # N_used: the N in the accounting
-    sample_rate: float  # this rank's per-example Bernoulli rate
-    dropped: int  # tail examples left out so that per-rank shards are equal
-
-
-def train_shard(dataset_size: int, rank: int, world_size: int, mode: str, per_device_batch: int) -> Shard:
-    """Shard modes of docs/DESIGN.md: per_rank = disjoint contiguous equal shards; global = every rank sees all N."""
-    if dataset_size == 0:
-        raise WorkbenchError("the training dataset is empty")
-    global_batch = per_device_batch * world_size
-    if mode == "per_rank":
-        per_rank = dataset_size // world_size
-        population = per_rank * world_size
-        if per_rank == 0:
-            raise WorkbenchError(f"the training set has {dataset_size} examples, fewer than world_size={world_size}")
-        shard = Shard(range(rank * per_rank, (rank + 1) * per_rank), population, global_batch / population,
-                      dataset_size - population)
-    elif mode == "global":
-        population = dataset_size
-        shard = Shard(range(dataset_size), population, global_batch / (world_size * dataset_size), 0)
-    else:
-        raise WorkbenchError(f"ddp_shard={mode!r} is unknown; choose per_rank or global")
-    if global_batch > population:
-        raise WorkbenchError(
-            f"the expected global batch per_device_train_batch_size x world_size = {global_batch} is larger than the "
-            f"training set ({population} examples); lower per_device_train_batch_size"
-        )
-    return shard
-
-
-def stream_seed(secret: int, seed: int) -> int:
-    """Mix the run's secret into a user-visible seed: batches and noise stay unpredictable to whoever knows the seed."""
-    state = np.random.SeedSequence([secret, seed]).generate_state(2, dtype=np.uint32)
-    return int(state[0]) << 32 | int(state[1])
-
-
-def step_generator(seed: int, rank: int, step: int, stream: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
-    """An independent, reproducible RNG stream for one (seed, rank, step); `stream` separates uses (sampling, noise)."""
-    state = np.random.SeedSequence([seed, rank, step, stream]).generate_state(2, dtype=np.uint32)
-    return torch.Generator(device=device).manual_seed(int(state[0]) << 32 | int(state[1]))
-
-
-class PoissonBatchSampler:
-    """Yields, for each logical step in [start_step, steps), the dataset indices of this rank's Poisson batch.
-
-    Each example of the shard is included independently with probability ``shard.sample_rate``; empty batches are
-    yielded too (the rank still joins the step's collective).
-    """
-
-    def __init__(self, shard: Shard, steps: int, seed: int, rank: int, start_step: int = 0):
-        self.shard, self.steps, self.seed, self.rank, self.start_step = shard, steps, seed, rank, start_step
-        self._offset = torch.tensor(shard.indices.start)
-
-    def indices_for_step(self, step: int) -> list[int]:
-        g = step_generator(self.seed, self.rank, step)
-        mask = torch.rand(len(self.shard.indices), generator=g) < self.shard.sample_rate
-        return (mask.nonzero().squeeze(1) + self._offset).tolist()
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for step in range(self.start_step, self.steps):
-            yield self.indices_for_step(step)
-
-    def __len__(self) -> int:
-        return max(0, self.steps - self.start_step)
-
-
 def _loader_kwargs(cfg, device: torch.device, collator: Callable | None) -> dict:
     kwargs = dict(num_workers=cfg.dataloader_num_workers, collate_fn=functools.partial(collate, collator=collator),
                   pin_memory=bool(cfg.dataloader_pin_memory and device.type == "cuda"))
@@ -304,7 +232,7 @@ def _loader_kwargs(cfg, device: torch.device, collator: Callable | None) -> dict
     return kwargs
 
 
-def train_loader(dataset: Dataset, sampler: PoissonBatchSampler, cfg, device: torch.device,
+def train_loader(dataset: Dataset, sampler, cfg, device: torch.device,
                  collator: Callable | None = None) -> DataLoader:
     return DataLoader(dataset, batch_sampler=sampler, **_loader_kwargs(cfg, device, collator))
 

@@ -1,11 +1,6 @@
-"""The DP-SGD training loop (the privacy contract of docs/DESIGN.md, step by step).
-
-Every logical step, on every rank, whatever its Poisson batch (even empty):
-  1. per-sample gradients of the local batch, in physical micro-batches of at most ``max_physical_batch_size``;
-  2. flat per-sample L2 clipping to C, summed locally into one flat buffer;
-  3. one all-reduce of that buffer; Gaussian noise of std sigma*C is added by rank 0 alone, before the all-reduce,
-     so it is in the sum exactly once;
-  4. divide by the expected global batch B (never the realised one), optimizer step: parameters stay identical.
+"""The training loop (docs/DESIGN.md, step 4 and around it): Poisson batches -> the step (workbench/step.py) -> the
+division by the expected global batch B (never the realised one) -> the optimizer; parameters stay identical on every
+rank. Around it: the step log with each line's epsilon, evaluation, checkpoints, and a stop on non-finite releases.
 """
 
 from __future__ import annotations
@@ -13,167 +8,19 @@ from __future__ import annotations
 import logging
 import math
 import time
-import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import contextlib
+from typing import Callable
 
 import torch
 from torch import nn
 
-from workbench.privacy import clipping
-from workbench.data import Batch, as_batch, step_generator
-from workbench.distributed import Dist, pad_concat
-from workbench.errors import TrainingStopped, WorkbenchError
-from workbench.losses import logits_of
+from workbench.distributed import Dist
+from workbench.errors import TrainingStopped
 from workbench.privacy import EpsilonSchedule
+from workbench.privacy.mechanism import Mechanism
+from workbench.step import GradientStep
 
 log = logging.getLogger(__name__)
-# Opacus' hooks trigger this on every backward of a model whose inputs need no grad: expected, not actionable.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
-
-
-CHECK_EXAMPLES = 8  # examples the pre-run check compares against autograd's per-example gradients
-
-
-FP16_LOSS_SCALE = 2.0 ** 10  # fp16_loss_scale's default (workbench/config.py)
-
-
-class GradientStep:
-    """Steps 1-3 of the contract: the noised, all-reduced sum of clipped per-sample gradients for one logical step.
-
-    With ``max_grad_norm=None`` it is the non-private twin: plain summed gradients, no clipping, no noise, through the
-    same single all-reduce, so both paths are measured alike.
-    """
-
-    def __init__(self, model: nn.Module, criterion: nn.Module, dist: Dist, *, max_grad_norm: float | None,
-                 noise_multiplier: float, grad_sample_mode: str = "hooks", max_physical_batch_size: int = 512,
-                 noise_seed: int = 0, autocast_dtype: torch.dtype | None = None, loss_scale: float | None = None):
-        self.dist, self.criterion, self.autocast_dtype = dist, criterion, autocast_dtype
-        # fp16's narrow range needs the loss scaled (bf16 has float32's exponent range and needs none); see _losses
-        self.scale = float(loss_scale if loss_scale is not None else
-                           FP16_LOSS_SCALE if autocast_dtype == torch.float16 else 1.0)
-        if not (math.isfinite(self.scale) and self.scale > 0):
-            raise WorkbenchError(f"the loss scale must be a finite number > 0, got {loss_scale}")
-        self.clip, self.sigma, self.mode = max_grad_norm, noise_multiplier, grad_sample_mode
-        self.max_physical_batch_size, self.noise_seed = max_physical_batch_size, noise_seed
-        self.private = max_grad_norm is not None
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        if not self.params:
-            raise WorkbenchError("the model has no trainable parameters")
-        if len({p.dtype for p in self.params}) > 1:
-            raise WorkbenchError(f"the model's trainable parameters mix dtypes {sorted({str(p.dtype) for p in self.params})}; "
-                                 "one flat gradient buffer needs one")
-        if self.private and self.mode == "auto":
-            self.mode = clipping.fastest_grad_sample_mode(model)
-        self.clipper = clipping.make(model, self.params, max_grad_norm=max_grad_norm, mode=self.mode)
-        self.clipper.max_batch = max_physical_batch_size
-        self.module = self.clipper.module
-        if self.private and autocast_dtype is not None and self.mode == "ew":
-            raise WorkbenchError(f"grad_sample_mode={self.mode} cannot run in mixed precision: its clipped sum is not "
-                                 "computed from the per-sample gradients its norms were; use bk or hooks")
-        numel = sum(p.numel() for p in self.params)
-        device = self.params[0].device
-        if autocast_dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise WorkbenchError(f"bf16=true: {torch.cuda.get_device_name(device)} has no bfloat16; use fp16=true")
-        # Gradient sum, then [loss sum, example count]: the step's one collective carries all three.
-        self.flat = torch.zeros(numel + 2, device=device, dtype=self.params[0].dtype)
-        self.grad_views, offset = [], 0
-        for p in self.params:
-            self.grad_views.append(self.flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        self.view_of = {id(p): view for p, view in zip(self.params, self.grad_views)}
-        self.numel = numel
-        self.loss_sum, self.count = self.flat[-2], self.flat[-1]  # 0-d views: cheaper to add to than flat[-2]
-        self._update, self._totals = self.flat[:numel], self.flat[numel:]  # views made once, not per step
-        self._noise = torch.empty(numel if self.private else 0, device=device)  # reused: no allocation per step
-
-    def check(self, batch: Any) -> None:
-        """Before any training, on a real batch: the criterion gives one loss per example, and the strategy's
-        assumptions about the model hold (book-keeping's cannot all be read off the layers). Run in the parameters'
-        precision: the checks compare against autograd there."""
-        self.clipper.check(self._to_device(batch), self._precise_losses)
-
-    def _forward(self, module: nn.Module, batch: Batch) -> Any:
-        # Opacus' ew wrapper reads the batch size off a positional input (the pre-run check also calls the bare model)
-        if self.private and self.mode == "ew" and module is self.module:
-            from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
-
-            module = call_for_per_sample_grads(module._module, batch_size=len(batch), loss_reduction="sum")
-        return batch.forward(module)
-
-    def _precise_losses(self, module: nn.Module, batch: Batch) -> torch.Tensor:
-        """The loss function the clipping strategies call: forward ``module`` on the micro-batch, one loss per example."""
-        losses = self.criterion(logits_of(self._forward(module, batch)), batch.labels)
-        if losses.dim() != 1 or len(losses) != len(batch):
-            raise WorkbenchError(f"the criterion must return one loss per example (reduction='none'), not shape "
-                                 f"{tuple(losses.shape)} for a batch of {len(batch)}")
-        return losses.float()
-
-    def _losses(self, module: nn.Module, batch: Batch) -> torch.Tensor:
-        """As _precise_losses, under autocast with bf16/fp16 (norms and clipping stay float32: clipping/), times the
-        loss scale S (fp16: ``fp16_loss_scale``; 1 otherwise), so that small gradients survive the fp16 backward.
-
-        Inside the contract: clipping to C*S and noise of std sigma*C*S, divided by S, give DP-SGD's own update (every
-        clip factor is unchanged). S is fixed, not dynamic as torch's GradScaler: an example whose backward overflows
-        contributes 0 (clipping/base.py), so the released update stays finite and no overflow is ever seen to adapt
-        to, nor may it be (whether one occurred depends on one example's data). Per-example losses are summed, not
-        averaged over the batch: the gradient at the logits reaches S itself, hence 2**10 and not GradScaler's 2**16."""
-        if self.autocast_dtype is None:  # entering a disabled autocast still costs more than the MLP's loss
-            losses = self._precise_losses(module, batch)
-        else:
-            with torch.autocast(self.flat.device.type, dtype=self.autocast_dtype):
-                losses = self._precise_losses(module, batch)
-        return losses if self.scale == 1.0 else losses * self.scale
-
-    def _to_device(self, batch: Any) -> Batch:
-        return as_batch(batch).to(self.flat.device, non_blocking=True)
-
-    def _micro_batches(self, batch: Batch):
-        if len(batch) <= self.max_physical_batch_size:  # at most one micro-batch: the batch itself, no slicing
-            if len(batch):  # an empty draw has none (the step still adds noise and joins the all-reduce)
-                yield batch
-            return
-        for start in range(0, len(batch), self.max_physical_batch_size):
-            yield batch.slice(start, start + self.max_physical_batch_size)
-
-    def __call__(self, batch: Any, step: int) -> tuple[float, float]:
-        """Fill each parameter's .grad with the noised clipped sum; return the cluster-wide (loss sum, example count)."""
-        self.flat.zero_()
-        for p in self.params:  # a .grad left from outside (no zero_grad) must not leak unclipped into the backward modes
-            p.grad = None
-        scale = self.scale
-        if self.private:
-            self.clipper.clip = self.clip * scale  # scaled losses, scaled bound: every clip factor is unchanged
-        if batch is not None:  # 1-2: per-sample gradients, clipped and summed into the flat buffer
-            for micro_batch in self._micro_batches(self._to_device(batch)):
-                if getattr(self.clipper, "checked", True) is False:  # normally check() ran before training
-                    # on a few examples, as run.py does: the check is one autograd call per example
-                    self.clipper.check(micro_batch.slice(0, CHECK_EXAMPLES), self._precise_losses)
-                losses = self.clipper.accumulate(micro_batch, self._losses, self.view_of)
-                self.loss_sum.add_(losses.sum() if scale == 1.0 else losses.sum() / scale)
-                self.count.add_(len(losses))
-        if self.private and self.sigma > 0 and self.dist.rank == 0:
-            g = step_generator(self.noise_seed, 0, step, stream=1, device=self.flat.device)
-            noise = torch.randn(self.numel, generator=g, device=self.flat.device, out=self._noise)
-            # std sigma*C*S; mul_, not add_'s alpha, which refuses a factor past float32's range
-            self._update.add_(noise.mul_(self.sigma * self.clip * scale))
-        self.dist.all_reduce_(self.flat)
-        for p, view in zip(self.params, self.grad_views):
-            p.grad = view  # a view into the reduced buffer: no copy; the next step re-zeroes the buffer
-        loss_sum, count = self._totals.tolist()  # one host read for both
-        return loss_sum, count
-
-    def divide_(self, expected_batch: float) -> None:
-        """Step 4's division of every gradient by the expected batch B (and the loss scale S), in one operation on the
-        reduced buffer."""
-        self._update.div_(expected_batch * self.scale)
-
-    @property
-    def update(self) -> torch.Tensor:
-        """The step's released update (noised, all-reduced), as a flat view."""
-        return self._update
 
 
 def logging_steps(start_step: int, total_steps: int, every: int) -> list[int]:
@@ -287,20 +134,36 @@ class StepLogger:
         return self.history
 
 
-class Trainer:
-    """The loop: Poisson batches -> GradientStep -> optimizer, with logging, eval, checkpoints and the budget stop."""
+@dataclass(frozen=True)
+class LoopConfig:
+    """What the loop reads from the job's config: when to log, evaluate and save, and whether to show progress."""
 
-    def __init__(self, cfg, dist: Dist, model: nn.Module, step_fn: GradientStep, optimizer, scheduler, loader,
-                 evaluator, accountant, delta: float | None, tracker, expected_batch: float, population: int,
-                 total_steps: int, start_step: int, save_fn: Callable[[int], None], callbacks=None):
+    start_step: int
+    logging_steps: int = 10
+    eval_steps: int = 0  # 0: only at the end
+    save_steps: int = 0  # 0: only at the end
+    progress_bar: bool = True
+
+    @classmethod
+    def of(cls, cfg, start_step: int, show: bool) -> "LoopConfig":
+        return cls(start_step, cfg.logging_steps, cfg.eval_steps or 0, cfg.save_steps or 0,
+                   show and not cfg.disable_tqdm)
+
+
+class Trainer:
+    """The loop: Poisson batches -> GradientStep -> optimizer, with logging, eval, checkpoints and the budget stop.
+    ``mechanism`` says how many steps to take, the expected batch B to divide by, and what each step spends."""
+
+    def __init__(self, loop: LoopConfig, dist: Dist, mechanism: Mechanism, model: nn.Module, step_fn: GradientStep,
+                 optimizer, scheduler, loader, evaluator, tracker, save_fn: Callable[[int], None], callbacks=None):
         from workbench.callbacks import CallbackList
 
-        self.cfg, self.dist, self.model, self.step_fn = cfg, dist, model, step_fn
-        self.callbacks = callbacks or CallbackList([], model, [], total_steps)
+        self.loop, self.dist, self.mechanism, self.model, self.step_fn = loop, dist, mechanism, model, step_fn
+        self.callbacks = callbacks or CallbackList([], model, [], mechanism.steps)
         self.optimizer, self.scheduler, self.loader, self.evaluator = optimizer, scheduler, loader, evaluator
-        self.accountant, self.delta, self.tracker = accountant, delta, tracker
-        self.population = population
-        self.expected_batch, self.total_steps, self.start_step, self.save_fn = expected_batch, total_steps, start_step, save_fn
+        self.accountant, self.delta, self.tracker = mechanism.accountant, mechanism.delta, tracker
+        self.population, self.expected_batch = mechanism.shard.population, mechanism.expected_batch
+        self.total_steps, self.start_step, self.save_fn = mechanism.steps, loop.start_step, save_fn
         self.history = History()
         self.failed_step: int | None = None
 
@@ -320,12 +183,11 @@ class Trainer:
         """Train from start_step to total_steps; returns the number of steps taken in all."""
         from tqdm import tqdm
 
-        cfg, step = self.cfg, self.start_step
-        bar = tqdm(total=self.total_steps, initial=step, desc="train", dynamic_ncols=True,
-                   disable=cfg.disable_tqdm or not self.dist.should_log)
+        loop, step = self.loop, self.start_step
+        bar = tqdm(total=self.total_steps, initial=step, desc="train", dynamic_ncols=True, disable=not loop.progress_bar)
         schedule = None
         if self.accountant is not None and (self.dist.is_main or not bar.disable):
-            schedule = EpsilonSchedule(self.accountant, self.delta, logging_steps(step, self.total_steps, cfg.logging_steps))
+            schedule = EpsilonSchedule(self.accountant, self.delta, logging_steps(step, self.total_steps, loop.logging_steps))
         logger = StepLogger(self.tracker, schedule if self.dist.is_main else None, self.delta)
         window_loss, window_count, window_start = 0.0, 0.0, time.perf_counter()
         self.model.train()
@@ -344,7 +206,7 @@ class Trainer:
                 self._stop_if_not_finite(step)
                 window_loss, window_count = window_loss + loss_sum, window_count + count
                 bar.update(1)
-                if step % cfg.logging_steps == 0 or step == self.total_steps:  # as logging_steps() lists them
+                if step % loop.logging_steps == 0 or step == self.total_steps:  # as logging_steps() lists them
                     elapsed = time.perf_counter() - window_start
                     loss = window_loss / max(window_count, 1.0)
                     logger.log(step, {"loss": loss, "learning_rate": self.scheduler.get_last_lr()[0],
@@ -354,10 +216,10 @@ class Trainer:
                     bar.set_postfix(loss=f"{loss:.4f}", **({"eps": f"{known[1]:.3f}" + ("" if known[0] == step else
                                                                                         f"@{known[0]}")} if known else {}))
                     window_loss, window_count, window_start = 0.0, 0.0, time.perf_counter()
-                if cfg.eval_steps and step % cfg.eval_steps == 0 and step < self.total_steps:
+                if loop.eval_steps and step % loop.eval_steps == 0 and step < self.total_steps:
                     self.tracker.log_metrics(self.evaluator(), step)
                     self.model.train()
-                if cfg.save_steps and step % cfg.save_steps == 0 and step < self.total_steps:
+                if loop.save_steps and step % loop.save_steps == 0 and step < self.total_steps:
                     logger.flush()
                     self.save_fn(step)
             self.callbacks.on_train_end(step)
@@ -371,62 +233,3 @@ class Trainer:
             self.history = logger.close()
             bar.close()
         return step
-
-
-class Evaluator:
-    """Cluster-wide eval: each rank predicts its contiguous shard, ranks gather in order, metrics see the whole set."""
-
-    def __init__(self, model: nn.Module, criterion: nn.Module, loader, dist: Dist,
-                 compute_metrics: Callable | None, use_gather_object: bool = False, batch_eval_metrics: bool = False,
-                 autocast_dtype: torch.dtype | None = None):
-        self.model, self.criterion, self.loader, self.dist = model, criterion, loader, dist
-        self.compute_metrics, self.force_object, self.batched = compute_metrics, use_gather_object, batch_eval_metrics
-        self.autocast_dtype = autocast_dtype
-
-    def _gather(self, predictions, labels):
-        from workbench.metrics import EvalPrediction
-
-        return EvalPrediction(self.dist.gather_payload(predictions, self.force_object),
-                              self.dist.gather_payload(labels, self.force_object))
-
-    def _predict(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, per-example losses), both float32."""
-        with torch.autocast(self.dist.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            out = logits_of(batch.forward(self.model))
-            return out.float(), self.criterion(out, batch.labels).float()
-
-    @torch.no_grad()
-    def __call__(self) -> dict[str, float]:
-        was_training = self.model.training
-        self.model.eval()
-        totals = torch.zeros(2, device=self.dist.device)  # loss sum, example count
-        predictions, labels, metrics = [], [], {}
-        batches = iter(self.loader)  # streamed: the eval set is never held twice
-        n_batches = max(self.dist.all_gather_object(len(self.loader))) if self.batched else len(self.loader)
-        for i in range(n_batches):
-            batch = as_batch(next(batches, None))
-            if batch is not None and len(batch):
-                batch = batch.to(self.dist.device, non_blocking=True)
-                out, losses = self._predict(batch)
-                totals[0] += losses.sum()
-                totals[1] += len(batch)
-                out, y = out.cpu(), batch.labels.cpu()
-            else:  # this rank's shard has fewer eval batches: it joins the gather with an empty payload
-                out, y = torch.empty(0), torch.empty(0, dtype=torch.long)
-            if self.compute_metrics is None:
-                continue
-            if self.batched:
-                metrics = self.compute_metrics(self._gather(out, y), compute_result=i == n_batches - 1)
-            elif len(y):
-                predictions.append(out)
-                labels.append(y)
-        if not self.batched and self.compute_metrics is not None:
-            metrics = self.compute_metrics(self._gather(pad_concat(predictions, torch.empty(0)),
-                                                        pad_concat(labels, torch.empty(0, dtype=torch.long))))
-        self.dist.all_reduce_(totals)
-        self.model.train(was_training)
-        out = {f"eval_{k}": float(v) for k, v in (metrics or {}).items()}
-        out["eval_loss"] = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
-        if getattr(self.criterion, "reports_perplexity", False):
-            out["eval_perplexity"] = math.exp(min(out["eval_loss"], 700.0))
-        return out

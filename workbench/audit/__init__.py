@@ -1,11 +1,11 @@
 """The one-run privacy audit under its public path: ``workbench.audit.audit``, ``workbench.audit.epsilon_lower_bound``...
 
-The bound itself is workbench/audit_bound.py (pure math, importable by the job and the canaries below it); this package
+The bound itself is workbench/privacy/auditing/bound.py (pure math, importable by the job and the canaries below it); this package
 adds only the command line, ``python -m workbench.audit`` (workbench/audit/__main__.py), which runs a job and so sits
 above the job runner.
 """
 
-from workbench.audit_bound import (GUESS_GRID, IDEAL_SEED, SIGNIFICANCE, AuditResult, audit, correct_guesses,
+from workbench.privacy.auditing.bound import (GUESS_GRID, IDEAL_SEED, SIGNIFICANCE, AuditResult, audit, correct_guesses,
                                    epsilon_lower_bound, guess_counts, ideal_lower_bound, multiplicity_probs, p_value,
                                    white_box_llr)
 

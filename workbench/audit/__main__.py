@@ -1,6 +1,6 @@
 """``python -m workbench.audit [hydra overrides]``: train the composed config with ``audit=canaries`` and print the
 one-run audit's bound beside the reported epsilon. A command line that runs a job: it sits above the job runner, the
-bound it prints is workbench/audit_bound.py."""
+bound it prints is workbench/privacy/auditing/bound.py."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@
   is exactly 0. Canary j's loss is ``C * w_j``: its gradient is C e_j (norm C, so clipping leaves norm C up to the
   trainer's stabiliser); a blank's is 0.
 - **Observers.** White-box: every released update's coordinate j, in units of C / B, is K_t + sigma Z_t; scored by
-  :func:`workbench.audit_bound.white_box_llr`. Final model: how far w_j moved against its gradient, ``-w_j``.
+  :func:`workbench.privacy.auditing.bound.white_box_llr`. Final model: how far w_j moved against its gradient, ``-w_j``.
 - **Shards.** Slots sit after the N examples; ``shard=per_rank`` drops the population's tail beyond a multiple of W,
   so up to W - 1 slots may never be sampled: the bound stays valid, those canaries only carry no signal.
 - **What is kept.** The user's model never holds the block; checkpoints hold the user's model only, and the optimizer
@@ -22,15 +22,18 @@ so the dataset must yield ``(x, y)`` with a tensor ``x``; :class:`AuditedModel` 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from workbench import audit_bound
+from workbench.privacy.auditing import bound as audit_bound
 from workbench.errors import WorkbenchError
+
+if TYPE_CHECKING:
+    from workbench.privacy.mechanism import Mechanism
 
 BLOCK = "audit.canaries"
 _MEMBERSHIP_STREAM = 0xA0D17  # keeps the membership draw apart from every other use of the secret
@@ -147,12 +150,12 @@ class CanaryAudit:
         """The trained parameters by the names callbacks see: the user's own, then the canary block."""
         return [(n, p) for n, p in model.named_parameters() if p.requires_grad] + [(BLOCK, self.model.canaries.weight)]
 
-    def start(self, secret: int, seed: int, clip: float, expected_batch: float, sigma: float, sample_rate: float,
-              world_size: int, shard: str) -> WhiteBoxObserver:
-        """Draw the membership (the secret is known now) and return the white-box observer, a callback."""
+    def start(self, secret: int, seed: int, clip: float, mechanism: Mechanism) -> WhiteBoxObserver:
+        """Draw the membership (the secret is known now) and return the white-box observer, a callback. ``clip`` is
+        the canaries' gradient norm (``privacy.max_grad_norm``, also when the run is not private)."""
         self.members = self.dataset.draw_membership(secret, seed)
-        self.probs = audit_bound.multiplicity_probs(sample_rate, world_size, shard)
-        self.observer = WhiteBoxObserver(self.m, clip, expected_batch, sigma, self.probs)
+        self.probs = audit_bound.multiplicity_probs(mechanism.sample_rate, mechanism.world_size, mechanism.shard_mode)
+        self.observer = WhiteBoxObserver(self.m, clip, mechanism.expected_batch, mechanism.noise_multiplier, self.probs)
         return self.observer
 
     def without_canaries(self, optimizer_state: dict[str, Any]) -> dict[str, Any]:
@@ -161,13 +164,14 @@ class CanaryAudit:
         groups = [{**g, "params": [i for i in g["params"] if i != last]} for g in optimizer_state["param_groups"]]
         return {"state": {i: s for i, s in optimizer_state["state"].items() if i != last}, "param_groups": groups}
 
-    def result(self, reported_epsilon: float | None, delta: float, sigma: float, sample_rate: float, steps: int,
-               world_size: int, shard: str) -> audit_bound.AuditResult:
+    def result(self, reported_epsilon: float | None, delta: float, mechanism: Mechanism,
+               steps: int) -> audit_bound.AuditResult:
         final_model = -self.model.canaries.weight.detach().reshape(-1).double().cpu().numpy()
         scores = {"white_box": self.observer.scores, "final_model": final_model}
         found = audit_bound.audit(scores, self.members, delta, self.significance, reported_epsilon)
-        ideal = audit_bound.ideal_lower_bound(self.m, sample_rate, sigma, steps, world_size, shard, delta,
-                                        self.significance, observers=len(scores))
+        ideal = audit_bound.ideal_lower_bound(self.m, mechanism.sample_rate, mechanism.noise_multiplier, steps,
+                                              mechanism.world_size, mechanism.shard_mode, delta, self.significance,
+                                              observers=len(scores))
         from dataclasses import replace
 
         return replace(found, ideal_lower_bound=ideal)

@@ -19,10 +19,10 @@ significance, so the reported bound (the largest over all tests) holds with prob
 :func:`white_box_llr` scores what DP-SGD releases (every noised update) by the exact likelihood ratio of the
 canary's per-step multiplicity (Bernoulli(q) per rank, Binomial(W, q_r) for ``shard=global``);
 :func:`ideal_lower_bound` runs the same audit on a simulation of a correct DP-SGD with the run's q, sigma and steps,
-so a weak audit can be told from a broken trainer. The canaries themselves live in :mod:`workbench.canaries`.
+so a weak audit can be told from a broken trainer. The canaries themselves live in canaries.py, next to this file.
 
 Pure math, below the job runner: ``workbench.audit`` re-exports it under its public path, and ``python -m
-workbench.audit [overrides]`` (workbench/audit/__main__.py) trains with ``audit=canaries`` and prints the bound.
+workbench.audit [overrides]`` (workbench/audit/__main__.py, above the job runner) trains with ``audit=canaries`` and prints the bound.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from typing import Mapping
 import numpy as np
 from scipy import stats
 from scipy.special import logsumexp
+
+from workbench.privacy.accounting import events
 
 # (k+, k-) as fractions of the canaries: top-k+ guessed members, bottom-k- guessed non-members. Fixed in advance.
 GUESS_GRID: tuple[tuple[float, float], ...] = (
@@ -146,10 +148,8 @@ def audit(scores: Mapping[str, np.ndarray], members: np.ndarray, delta: float, s
 
 
 def multiplicity_probs(sample_rate: float, world_size: int, shard: str) -> np.ndarray:
-    """P(K = k) for a canary's multiplicity K in one step: Bernoulli(q) (per_rank, or W = 1), Binomial(W, q_r) (global)."""
-    if shard == "global" and world_size > 1:
-        return stats.binom.pmf(np.arange(world_size + 1), world_size, sample_rate)
-    return np.array([1.0 - sample_rate, sample_rate])
+    """P(K = k) for a canary's multiplicity K in one step: the accounted event's (privacy/accounting/events.py)."""
+    return np.asarray(events.multiplicity_probs(sample_rate, world_size, shard))
 
 
 def white_box_llr(x: np.ndarray, sigma: float, probs: np.ndarray) -> np.ndarray:

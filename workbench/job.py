@@ -1,0 +1,215 @@
+"""The job a config describes, built before anything trains: everything that can be refused is refused here, before
+an MLflow run exists (config, data, model, the mechanism, the pre-run check of the clipping strategy, a resume).
+
+:func:`build` returns a typed :class:`Job`; workbench/run.py runs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from hydra.utils import get_method, instantiate
+from omegaconf import DictConfig
+from torch import nn
+
+from workbench import callbacks as callbacks_
+from workbench import checkpoint, config, data, data_checks, distributed, hf
+from workbench.errors import WorkbenchError
+from workbench.models import prepare_model
+from workbench.privacy import mechanism, sampling
+from workbench.privacy.mechanism import Mechanism
+from workbench.step import CHECK_EXAMPLES, GradientStep
+from workbench.trainer import lr_lambda
+from workbench.world_size import planned_world_size
+
+if TYPE_CHECKING:
+    from workbench.privacy.auditing.canaries import CanaryAudit
+
+log = logging.getLogger("workbench")
+
+
+@dataclass
+class Job:
+    """One rank's built job."""
+
+    model: nn.Module  # the user's model, fixed for DP where asked: what checkpoints hold
+    criterion: nn.Module
+    mechanism: Mechanism  # sampling, clipping, noise and accounting of this run
+    step_fn: GradientStep
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    loader: Any  # the training batches, from the mechanism's sampler
+    eval_loader: Any | None
+    metrics_fn: Callable | None
+    callbacks: callbacks_.CallbackList
+    collator: Callable | None
+    autocast_dtype: torch.dtype | None
+    secret: int  # the stream secret: in the run folder's checkpoints, never in MLflow
+    digest: str  # the privacy config's hash: a resume must match it
+    start_step: int = 0
+    resume_run_id: str | None = None
+    canaries: CanaryAudit | None = None
+    fixed_modules: list[str] = field(default_factory=list)
+
+
+def _instantiate(node: Any, what: str, **kwargs) -> Any:
+    try:
+        return instantiate(node, **kwargs)
+    except Exception as e:  # noqa: BLE001 - Hydra wraps the user's error; show its first line
+        own = e.__cause__ if isinstance(e.__cause__, WorkbenchError) else None  # ours already says it in one line
+        msg = str(own) if own else " ".join(str(e).split())[:500] or type(e).__name__
+        raise WorkbenchError(f"could not build {what}: {msg}") from e
+
+
+def _compute_metrics(name: str | None) -> Callable | None:
+    if name is None:
+        return None
+    try:
+        return get_method(name)
+    except Exception:  # noqa: BLE001
+        raise WorkbenchError(f"compute_metrics={name!r} is not an importable function") from None
+
+
+def training_sets(cfg: DictConfig) -> tuple[Any, Any, Any]:
+    """The user's training set, the one trained on (with the audit's canary slots, which join the population: N and q
+    count them whatever their membership) and the audit (or None)."""
+    train_set = _instantiate(config.own_arguments(cfg, "data.train"), "data.train")
+    if not cfg.audit.enabled:
+        return train_set, train_set, None
+    if cfg.resume_from_checkpoint:
+        raise WorkbenchError("audit=canaries cannot resume a run yet (its observers start at step 0)")
+    from workbench.privacy.auditing.canaries import CanaryAudit
+
+    canaries = CanaryAudit(cfg.audit.canaries, train_set, cfg.audit.significance)
+    return train_set, canaries.dataset, canaries
+
+
+def planned_steps(cfg: DictConfig, population: int, world_size: int) -> int:
+    expected_batch = cfg.per_device_train_batch_size * world_size
+    total_steps = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * population / expected_batch)
+    if total_steps > config.STEPS_MAX:
+        raise WorkbenchError(f"num_train_epochs={cfg.num_train_epochs} makes {total_steps} steps, more than "
+                             f"{config.STEPS_MAX}; lower it or set max_steps")
+    return total_steps
+
+
+def planned_mechanism(cfg: DictConfig) -> dict[str, Any]:
+    """What a run of `cfg` would spend, from its config alone (the training set is built for its size, nothing
+    trains): the fields of its ``workbench.dp_event`` tag, or ``{"private": False}``. The world size is the one its
+    launcher asks for. Raises WorkbenchError when the run would be refused."""
+    world_size = planned_world_size(cfg)
+    _, train_set, _ = training_sets(cfg)
+    return mechanism_of(cfg, data.check_dataset(train_set, "training"), 0, world_size).event_fields()
+
+
+def mechanism_of(cfg: DictConfig, dataset_size: int, rank: int, world_size: int) -> Mechanism:
+    """The mechanism `cfg` runs on this rank over a training set of ``dataset_size`` examples."""
+    shard = sampling.train_shard(dataset_size, rank, world_size, cfg.ddp_shard, cfg.per_device_train_batch_size)
+    return mechanism.plan(cfg.privacy, shard, cfg.ddp_shard, world_size, planned_steps(cfg, shard.population, world_size))
+def _autocast_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype | None:
+    if cfg.fp16 and device.type != "cuda":
+        raise WorkbenchError(f"fp16=true needs CUDA (this job runs on {device.type}); use bf16=true")
+    return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else None
+
+
+def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None, extra_callbacks: list) -> Job:
+    """Build this rank's job from `cfg`; everything that can be refused is refused here, alike on every rank."""
+    torch.manual_seed(cfg.seed)
+    autocast_dtype = _autocast_dtype(cfg, d.device)
+    user_train_set, train_set, canaries = training_sets(cfg)
+    user_callbacks = [*(_instantiate(c, "callbacks") for c in cfg.callbacks), *extra_callbacks]
+    callbacks_.check(user_callbacks)
+    eval_set = _instantiate(config.own_arguments(cfg, "data.eval"), "data.eval") if cfg.data.get("eval") is not None else None
+    collator = _instantiate(config.own_arguments(cfg, "data.collator"), "data.collator") \
+        if cfg.data.get("collator") is not None else None
+    n = data.check_dataset(train_set, "training")
+    if eval_set is not None:
+        data.check_dataset(eval_set, "eval")
+    shard = sampling.train_shard(n, d.rank, d.world_size, cfg.ddp_shard, cfg.per_device_train_batch_size)
+    if shard.dropped:
+        warnings.warn(f"ddp_shard=per_rank drops {shard.dropped} of {n} training examples so that "
+                      f"{d.world_size} ranks get equal shards ({shard.population} used)", stacklevel=1)
+    total_steps = planned_steps(cfg, shard.population, d.world_size)
+
+    model = _instantiate(config.own_arguments(cfg, "model"), "model")
+    if not isinstance(model, nn.Module):
+        raise WorkbenchError(f"model._target_ built a {type(model).__name__}, not a torch.nn.Module")
+    if cfg.get("peft") is not None:  # adapters (LoRA): only they train, so only they are clipped and noised
+        model = _instantiate(cfg.peft, "peft", _partial_=True)(model)
+    model, fixed = prepare_model(model, cfg.privacy.enabled, cfg.privacy.fix_model)
+    if d.is_main:
+        for note in fixed:
+            print(f"privacy.fix_model: {note}", flush=True)
+    model.to(d.device)
+    if d.distributed:  # identical start on every rank whatever the model's own RNG use
+        for t in model.state_dict().values():
+            torch.distributed.broadcast(t, 0)
+    criterion = _instantiate(cfg.criterion, "criterion", reduction="none")
+    make_optimizer = _instantiate(cfg.optimizer, "optimizer")  # refused here, before the seconds of noise calibration
+    metrics_fn = compute_metrics or _compute_metrics(cfg.compute_metrics)
+    for split, dataset in (("train", user_train_set), ("eval", eval_set)):  # the user's data, before any canaries
+        if dataset is not None:
+            data_checks.check_fit(dataset, f"data.{split} ({cfg.data[split].get('_target_', 'no _target_')})", model,
+                                  criterion, d.device, collator)
+
+    p = cfg.privacy
+    plan = mechanism.plan(p, shard, cfg.ddp_shard, d.world_size, total_steps)
+    for message in plan.notes:
+        warnings.warn(message, stacklevel=1)
+
+    trained, trained_criterion = canaries.wrap(model, criterion, p.max_grad_norm) if canaries else (model, criterion)
+    step_fn = GradientStep(trained, trained_criterion, d, max_grad_norm=plan.max_grad_norm,
+                           noise_multiplier=plan.noise_multiplier, grad_sample_mode=p.grad_sample_mode,
+                           max_physical_batch_size=cfg.max_physical_batch_size, autocast_dtype=autocast_dtype,
+                           loss_scale=cfg.fp16_loss_scale if cfg.fp16 else None)
+    # The same examples on every rank: a refusal is raised everywhere alike, before any run exists.
+    step_fn.check(data.first_examples(train_set, CHECK_EXAMPLES, collator))
+    optimizer = make_optimizer(step_fn.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_scheduler_type, cfg.warmup_steps,
+                                                                       plan.steps))
+
+    digest = config.privacy_digest(cfg, d.world_size)
+    start_step, resume_run_id = 0, None
+    # Rank 0's secret for everyone: the sampling and noise streams must be unknowable from the logged config.
+    secret = d.broadcast_object(p.secure_seed if p.secure_seed is not None else secrets.randbits(63))
+    if cfg.resume_from_checkpoint:
+        path, state = checkpoint.load_resumable(cfg.resume_from_checkpoint, cfg.output_dir)
+        if path is not None:
+            if state.get("secret") is None:
+                raise WorkbenchError(f"checkpoint {str(path)!r} has no stream secret (a published copy?); "
+                                     "resume from the run folder's own checkpoint")
+            if state.get("privacy_digest") != digest:
+                raise WorkbenchError(f"checkpoint {str(path)!r} was written under a different privacy config "
+                                     "(batch, steps, seed, shard, world size, noise, clipping or data differ); refusing to resume")
+            hf.load_model_state(model, state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            if plan.private:
+                plan.accountant.load_state_dict(state["accountant"])
+            start_step, resume_run_id = int(state["step"]), state.get("run_id")
+            secret = state["secret"]
+            log.info("resuming from %s at step %d", path, start_step)
+
+    step_fn.noise_seed = sampling.stream_seed(secret, cfg.seed)  # known only now: a resumed run takes the checkpoint's
+    sampler = plan.sampler(sampling.stream_seed(secret, cfg.data_seed if cfg.data_seed is not None else cfg.seed),
+                           d.rank, start_step)
+    named = [(name, prm) for name, prm in model.named_parameters() if prm.requires_grad]
+    if canaries:
+        user_callbacks.append(canaries.start(secret, cfg.seed, p.max_grad_norm, plan))
+        named = canaries.named_parameters(model)
+    eval_loader = None
+    if eval_set is not None:
+        eval_loader = data.eval_loader(eval_set, data.eval_shard(len(eval_set), d.rank, d.world_size), cfg, d.device,
+                                       collator)
+    return Job(model=model, criterion=criterion, mechanism=plan, step_fn=step_fn, optimizer=optimizer,
+               scheduler=scheduler, loader=data.train_loader(train_set, sampler, cfg, d.device, collator),
+               eval_loader=eval_loader, metrics_fn=metrics_fn,
+               callbacks=callbacks_.CallbackList(user_callbacks, model, named, plan.steps), collator=collator,
+               autocast_dtype=autocast_dtype, secret=secret, digest=digest, start_step=start_step,
+               resume_run_id=resume_run_id, canaries=canaries, fixed_modules=fixed)

@@ -1,0 +1,256 @@
+"""The ledger of one run (:class:`Accountant`: epsilon as a function of steps) and its epsilon at every logging step,
+computed ahead on a background thread (:class:`EpsilonSchedule`).
+
+Accountants (``ACCOUNTANTS``): ``pld`` (default, tightest; ``dp_accounting`` privacy loss distributions with
+pessimistic rounding, an upper bound), ``rdp`` (``dp_accounting`` Renyi DP), ``prv`` (Opacus' PRV accountant).
+Only ``pld`` supports ``shard="global"`` with ``W > 1``. The neighbouring relation is add-or-remove-one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from workbench.errors import WorkbenchError
+from workbench.privacy.accounting.events import _check_event_args, _is_int, _is_real, _step_event, dp_event
+from workbench.privacy.accounting.lazy import _pld, _rdp, dp_accounting
+from workbench.privacy.accounting.pld import DEFAULT_PLD_DISCRETIZATION, _step_pld
+
+def code_version() -> str:
+    """What a cached privacy result (workbench/cache.py) depends on besides its arguments: this package's source and
+    the accounting libraries' versions."""
+    from workbench import cache
+
+    return cache.code_version(tuple(f"privacy/accounting/{name}.py" for name in MODULES), ("dp-accounting", "opacus"))
+
+
+MODULES = ("lazy", "events", "pld", "pld_losses", "accountant", "calibration")  # what an epsilon is computed by
+ACCOUNTANTS = ("pld", "rdp", "prv")
+
+_STATE_KEYS = ("kind", "sample_rate", "noise_multiplier", "world_size", "shard", "pld_discretization", "steps")
+
+
+class Accountant:
+    """Privacy ledger of one run: fixed (sample_rate, noise_multiplier, world_size, shard), epsilon a function of steps.
+
+    Args:
+        kind: ``pld`` | ``rdp`` | ``prv``.
+        sample_rate: per-rank Poisson rate (``q`` for ``per_rank``, ``q_r`` for ``global``).
+        noise_multiplier: sigma (noise std / clipping norm), added once cluster-wide. 0 means no privacy (eps=inf).
+        world_size, shard: see :func:`dp_event`. ``shard="global"`` with ``world_size > 1`` needs ``kind="pld"``.
+        pld_discretization: PLD value discretization interval (``pld`` only; see ``DEFAULT_PLD_DISCRETIZATION``).
+
+    ``epsilon(steps, delta)`` is cached per (steps, delta); the PLD of one step is built once and self-composed.
+    ``steps`` counts the logical steps taken (``step()`` after each); it is saved by ``state_dict``.
+    """
+
+    def __init__(self, kind: str, sample_rate: float, noise_multiplier: float, world_size: int = 1,
+                 shard: str = "per_rank", pld_discretization: float = DEFAULT_PLD_DISCRETIZATION):
+        if kind not in ACCOUNTANTS:
+            raise WorkbenchError(f"accountant {kind!r} is unknown; choose one of {', '.join(ACCOUNTANTS)}")
+        _check_event_args(sample_rate, noise_multiplier, world_size, shard)
+        if not (_is_real(pld_discretization) and 0 < pld_discretization <= 0.1):
+            raise WorkbenchError(f"pld_discretization must be in (0, 0.1], got {pld_discretization!r}")
+        if shard == "global" and world_size > 1 and kind != "pld":
+            raise WorkbenchError(f"accountant {kind!r} does not support shard=global (parallel Poisson) with "
+                                 f"world_size={world_size}; use privacy.accountant=pld")
+        self.kind = kind
+        self.sample_rate = float(sample_rate)
+        self.noise_multiplier = float(noise_multiplier)
+        self.world_size = int(world_size)
+        self.shard = shard
+        self.pld_discretization = float(pld_discretization)
+        self.steps = 0
+        self._cache: dict[tuple[int, float], float] = {}
+        self._pld_step: _pld.PrivacyLossDistribution | None = None
+
+    def __repr__(self) -> str:
+        return (f"Accountant(kind={self.kind!r}, sample_rate={self.sample_rate}, noise_multiplier="
+                f"{self.noise_multiplier}, world_size={self.world_size}, shard={self.shard!r}, steps={self.steps})")
+
+    def step(self, n: int = 1) -> None:
+        """Record ``n`` logical steps taken."""
+        self.steps += int(n)
+
+    def event(self, steps: int) -> dp_accounting.DpEvent:
+        return dp_event(self.sample_rate, self.noise_multiplier, steps, self.world_size, self.shard)
+
+    def epsilon(self, steps: int, delta: float, on_disk: bool = False) -> float:
+        """Epsilon after ``steps`` logical steps at ``delta`` (an upper bound; ``inf`` when sigma is 0).
+        ``on_disk``: also kept in workbench's on-disk cache, so that a rerun of the same job reads it back."""
+        if not (_is_int(steps) and steps >= 0):
+            raise WorkbenchError(f"steps must be an integer >= 0, got {steps!r}")
+        if not (_is_real(delta) and 0 < delta < 1):
+            raise WorkbenchError(f"delta must be in (0, 1), got {delta!r}")
+        key = (int(steps), float(delta))
+        if on_disk and steps > 0 and self.noise_multiplier > 0:  # written even when known here (the budget search)
+            from workbench import cache
+
+            mechanism = {k: v for k, v in self.state_dict().items() if k != "steps"}
+            self._cache[key] = cache.cached(
+                "epsilon", lambda: self._cache[key] if key in self._cache else self._compute_epsilon(*key),
+                **mechanism, steps=key[0], delta=key[1], code=code_version())
+        elif key not in self._cache:
+            self._cache[key] = self._compute_epsilon(*key)
+        return self._cache[key]
+
+    def _compute_epsilon(self, steps: int, delta: float) -> float:
+        if steps == 0:
+            return 0.0
+        if self.noise_multiplier == 0:
+            return math.inf
+        if self.kind == "pld":
+            return float(self.pld(steps).get_epsilon_for_delta(delta))
+        if self.kind == "rdp":
+            return float(_rdp.RdpAccountant().compose(self.event(steps)).get_epsilon(delta))
+        from opacus.accountants import PRVAccountant
+
+        prv = PRVAccountant()
+        prv.history = [(self.noise_multiplier, self.sample_rate, steps)]
+        return float(prv.get_epsilon(delta))
+
+    def pld(self, steps: int) -> _pld.PrivacyLossDistribution:
+        """The privacy loss distribution of ``steps`` steps (whatever ``kind``): what a sweep composes across runs."""
+        d = self.pld_discretization
+        if self._pld_step is None:
+            self._pld_step = _step_pld(_step_event(self.sample_rate, self.noise_multiplier, self.world_size, self.shard), d)
+        # identity().compose(...) reproduces PLDAccountant(d).compose(event).get_epsilon(delta) bit for bit
+        return _pld.identity(value_discretization_interval=d).compose(self._pld_step.self_compose(int(steps)))
+
+    def rdp(self, steps: int, orders) -> np.ndarray:
+        """Renyi DP of ``steps`` steps at each of ``orders`` (``dp_accounting``'s RDP accountant)."""
+        if self.shard == "global" and self.world_size > 1:
+            raise WorkbenchError(f"no RDP accountant for shard=global (parallel Poisson) with world_size={self.world_size}")
+        accountant = _rdp.RdpAccountant(orders=list(orders)).compose(self.event(int(steps)))
+        return np.asarray(accountant._rdp, dtype=float)  # pylint: disable=protected-access
+
+    def max_steps(self, target_epsilon: float, delta: float, upper: int) -> int:
+        """The largest ``T <= upper`` with ``epsilon(T, delta) <= target_epsilon``; 0 if one step already exceeds it.
+
+        A bracketing search (``epsilon(lo) <= target < epsilon(hi)`` throughout, so the answer is exact whatever the
+        shape of the curve) that guesses by regula falsi on log(epsilon) against log(T).
+        """
+        if not (_is_int(upper) and upper >= 0):
+            raise WorkbenchError(f"upper must be an integer >= 0, got {upper!r}")
+        if not (_is_real(target_epsilon) and target_epsilon > 0):
+            raise WorkbenchError(f"target_epsilon must be > 0, got {target_epsilon!r}")
+        upper = int(upper)
+        if upper == 0 or self.epsilon(1, delta) > target_epsilon:
+            return 0
+        if self.epsilon(upper, delta) <= target_epsilon:
+            return upper
+        # regula falsi (Illinois) on log(epsilon) - log(target) against log(T), on integers: lo meets, hi exceeds
+        def gap(t: int) -> float:
+            return math.log(max(self.epsilon(t, delta), 1e-300)) - math.log(target_epsilon)
+
+        lo, hi = 1, upper
+        g_lo, g_hi = gap(lo), gap(hi)
+        side = 0
+        while hi - lo > 1:
+            a, b = math.log(lo), math.log(hi)
+            x = b - g_hi * (b - a) / (g_hi - g_lo) if g_hi != g_lo else (a + b) / 2
+            mid = min(max(round(math.exp(x)), lo + 1), hi - 1)
+            g = gap(mid)
+            if g <= 0:
+                lo, g_lo = mid, g
+                if side == -1:  # Illinois: the same end moved twice in a row, halve the other end's weight
+                    g_hi /= 2
+                side = -1
+            else:
+                hi, g_hi = mid, g
+                if side == 1:
+                    g_lo /= 2
+                side = 1
+        return lo
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain Python types only (safe for ``torch.load(weights_only=True)``)."""
+        return {"kind": self.kind, "sample_rate": self.sample_rate, "noise_multiplier": self.noise_multiplier,
+                "world_size": self.world_size, "shard": self.shard, "pld_discretization": self.pld_discretization,
+                "steps": int(self.steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``steps``; the saved mechanism must be this accountant's (a resumed run cannot change it)."""
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise WorkbenchError(f"accountant state is missing {', '.join(missing)}")
+        mine = self.state_dict()
+        for key in _STATE_KEYS[:-1]:
+            a, b = mine[key], state[key]
+            same = (_is_real(b) and math.isclose(a, b, rel_tol=1e-9)) if isinstance(a, float) else a == b
+            if not same:
+                raise WorkbenchError(f"accountant state has {key}={b!r} but this run has {key}={a!r}; "
+                                     "a resumed run must keep its privacy mechanism")
+        if not (_is_int(state["steps"]) and state["steps"] >= 0):
+            raise WorkbenchError(f"accountant state has steps={state['steps']!r}; expected an integer >= 0")
+        self.steps = int(state["steps"])
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> "Accountant":
+        """A new accountant with the saved mechanism and steps."""
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise WorkbenchError(f"accountant state is missing {', '.join(missing)}")
+        acc = cls(state["kind"], state["sample_rate"], state["noise_multiplier"], state["world_size"], state["shard"],
+                  state["pld_discretization"])
+        acc.load_state_dict(state)
+        return acc
+
+
+class EpsilonSchedule:
+    """Epsilon at each of a run's logging steps, computed once, in step order, on a background thread.
+
+    q, sigma and the step count are fixed before the first step, so the whole curve is known in advance: every logged
+    line, the progress bar and the closing picture show the epsilon of their own step (each value is the accountant's
+    own ``epsilon(step, delta)``, so the last one equals the reported final epsilon), and the training thread never
+    waits for a PLD composition.
+    """
+
+    def __init__(self, accountant: "Accountant", delta: float, steps):
+        import threading
+
+        self.accountant, self.delta, self.steps = accountant, delta, sorted(set(steps))
+        self._values: dict[int, float] = {}
+        self._error: BaseException | None = None
+        self._done = threading.Condition()
+        self._thread = threading.Thread(target=self._work, name="workbench-epsilon-schedule", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        for step in self.steps:
+            try:
+                # A PLD composition is 0.1-0.5 s (and scipy's import under the first): a rerun of the same job reads
+                # its schedule, the final epsilon included, from workbench's on-disk cache.
+                value = self.accountant.epsilon(step, self.delta, on_disk=True)
+            except BaseException as e:  # noqa: BLE001 - re-raised where a value is asked for
+                with self._done:
+                    self._error = e
+                    self._done.notify_all()
+                return
+            with self._done:
+                self._values[step] = value
+                self._done.notify_all()
+
+    def get(self, step: int, wait: bool = True) -> float | None:
+        """Epsilon after ``step`` steps; with ``wait=False``, None while it is still being computed."""
+        if step not in self._values and step not in self.steps:
+            return self.accountant.epsilon(step, self.delta) if wait else None
+        with self._done:
+            if wait:
+                self._done.wait_for(lambda: step in self._values or self._error is not None)
+            if self._error is not None:
+                raise RuntimeError("the epsilon schedule failed") from self._error
+            return self._values.get(step)
+
+    def latest(self, step: int) -> tuple[int, float] | None:
+        """The newest (step, epsilon) already computed at or before ``step``, without waiting."""
+        import bisect
+
+        with self._done:
+            i = bisect.bisect_right(self.steps, step) - 1
+            if i >= 0 and self.steps[i] not in self._values:  # computed in step order: the newest so far is before it
+                i = len(self._values) - 1
+            return (self.steps[i], self._values[self.steps[i]]) if i >= 0 else None
+

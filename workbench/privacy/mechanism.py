@@ -1,0 +1,104 @@
+"""The mechanism of one run, built once from its settings: what the sampler draws, what clipping bounds, what the
+noise adds and what the accountant accounts, in one object (in the spirit of jax_privacy's ``DPExecutionPlan``).
+
+:func:`plan` is the one place that turns privacy settings into numbers: the population and the Poisson rate q (from
+the shard), C, sigma (given, or calibrated to ``target_epsilon`` by the same accountant that reports), delta, and the
+steps (cut to the last one within ``target_epsilon``). The run, a sweep bounding its candidates before any trains, the
+step, the loop, the checkpoint and the ``workbench.dp_event`` tag all read :class:`Mechanism`; nothing re-derives q or
+sigma. Other mechanisms (correlated noise, adaptive clipping, user-level units) are other plans of this shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from workbench import cache
+from workbench.errors import WorkbenchError
+from workbench.privacy.accounting import (Accountant, calibrate_noise, code_version, default_delta,
+                                          validate_privacy_args)
+from workbench.privacy.noise import GaussianNoise
+from workbench.privacy.sampling import PoissonBatchSampler, Shard
+
+
+@dataclass
+class Mechanism:
+    """DP-SGD with Poisson sampling over ``shard``, per-example clipping to C and Gaussian noise sigma C, ``steps``
+    logical steps on ``world_size`` ranks. Not private (``accountant is None``): no clipping, no noise."""
+
+    shard: Shard  # this rank's examples, the population N and the per-rank Poisson rate q
+    shard_mode: str  # per_rank | global
+    world_size: int
+    steps: int  # the planned logical steps, within target_epsilon
+    max_grad_norm: float | None = None  # C; None: not private
+    noise_multiplier: float = 0.0  # sigma
+    delta: float | None = None
+    accountant: Accountant | None = None  # of exactly (q, sigma, W, shard_mode); its state is the run's spend so far
+    notes: list[str] = field(default_factory=list)  # warnings about doubtful settings, for the user
+
+    @property
+    def private(self) -> bool:
+        return self.accountant is not None
+
+    @property
+    def sample_rate(self) -> float:
+        return self.shard.sample_rate
+
+    @property
+    def expected_batch(self) -> int:
+        """B: every step's clipped noised sum is divided by it, never by the realised batch."""
+        return self.shard.expected_batch
+
+    def sampler(self, seed: int, rank: int, start_step: int = 0) -> PoissonBatchSampler:
+        """The batches of steps [start_step, steps) on ``rank``, from the secret sampling seed."""
+        return PoissonBatchSampler(self.shard, self.steps, seed, rank, start_step)
+
+    def noise(self, numel: int, rank: int, device: torch.device | str, seed: int = 0) -> GaussianNoise | None:
+        """The noise a step adds to a flat update of ``numel`` values (None when not private)."""
+        if not self.private:
+            return None
+        return GaussianNoise(self.noise_multiplier, self.max_grad_norm, numel, rank, device, seed)
+
+    def epsilon(self, steps: int) -> float:
+        """Epsilon at delta after ``steps`` steps (cached on disk: a rerun reads it back)."""
+        return self.accountant.epsilon(steps, self.delta, on_disk=True)
+
+    def event_fields(self) -> dict[str, Any]:
+        """The run's mechanism as its ``workbench.dp_event`` MLflow tag records it (read back by workbench/sweep.py)."""
+        if not self.private:
+            return {"private": False}
+        a = self.accountant
+        return dict(sample_rate=a.sample_rate, noise_multiplier=a.noise_multiplier, world_size=a.world_size,
+                    shard=a.shard, planned_steps=self.steps, delta=self.delta)
+
+
+def plan(p: Any, shard: Shard, shard_mode: str, world_size: int, steps: int) -> Mechanism:
+    """The mechanism of privacy settings ``p`` (``cfg.privacy``: enabled, max_grad_norm, noise_multiplier,
+    target_epsilon, target_delta, accountant) over ``shard`` for ``steps`` planned steps. Raises WorkbenchError on
+    settings that give no privacy or cannot be met."""
+    if not p.enabled:
+        return Mechanism(shard, shard_mode, world_size, steps)
+    delta = p.target_delta if p.target_delta is not None else default_delta(shard.population)
+    notes = validate_privacy_args(p.target_epsilon, delta, p.noise_multiplier, p.max_grad_norm, shard.population)
+    if p.noise_multiplier == 0:
+        raise WorkbenchError("privacy.noise_multiplier=0 gives no privacy; use privacy.enabled=false for a non-private run")
+    sigma = p.noise_multiplier if p.noise_multiplier is not None else cache.cached(
+        "calibrate_noise", lambda: calibrate_noise(p.accountant, shard.sample_rate, steps, p.target_epsilon, delta,
+                                                   world_size, shard_mode),
+        kind=p.accountant, sample_rate=shard.sample_rate, steps=steps, target_epsilon=p.target_epsilon,
+        delta=delta, world_size=world_size, shard=shard_mode, code=code_version())
+    accountant = Accountant(p.accountant, shard.sample_rate, sigma, world_size, shard_mode)
+    if p.target_epsilon is not None:
+        budget = cache.cached("max_steps", lambda: accountant.max_steps(p.target_epsilon, delta, steps),
+                              accountant=accountant.state_dict(), target_epsilon=p.target_epsilon, delta=delta,
+                              upper=steps, code=code_version())
+        if budget == 0:
+            raise WorkbenchError(f"privacy.target_epsilon={p.target_epsilon} is exceeded by the first step at "
+                                 f"noise_multiplier={sigma}; raise the noise or the target")
+        if budget < steps:
+            notes.append(f"the run stops after {budget} of {steps} steps: one more would exceed "
+                         f"target_epsilon={p.target_epsilon}")
+            steps = budget
+    return Mechanism(shard, shard_mode, world_size, steps, p.max_grad_norm, sigma, delta, accountant, notes)

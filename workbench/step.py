@@ -1,0 +1,178 @@
+"""One logical step of DP-SGD on one rank (the privacy contract of docs/DESIGN.md, steps 1-3).
+
+Every logical step, on every rank, whatever its Poisson batch (even empty):
+  1. per-sample gradients of the local batch, in physical micro-batches of at most ``max_physical_batch_size``;
+  2. flat per-sample L2 clipping to C (workbench/privacy/clipping/), summed locally into one flat buffer;
+  3. Gaussian noise of std sigma*C added by rank 0 alone (workbench/privacy/noise.py), then one all-reduce of that
+     buffer, so the noise is in the sum exactly once.
+Step 4, the division by the expected global batch B and the optimizer step, is the loop's (workbench/trainer.py).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from workbench.data import Batch, as_batch
+from workbench.distributed import Dist
+from workbench.errors import WorkbenchError
+from workbench.losses import logits_of
+from workbench.privacy import clipping
+from workbench.privacy.noise import GaussianNoise
+
+# Opacus' hooks trigger this on every backward of a model whose inputs need no grad: expected, not actionable.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+
+
+CHECK_EXAMPLES = 8  # examples the pre-run check compares against autograd's per-example gradients
+
+
+FP16_LOSS_SCALE = 2.0 ** 10  # fp16_loss_scale's default (workbench/config.py)
+
+
+class GradientStep:
+    """Steps 1-3 of the contract: the noised, all-reduced sum of clipped per-sample gradients for one logical step.
+
+    With ``max_grad_norm=None`` it is the non-private twin: plain summed gradients, no clipping, no noise, through the
+    same single all-reduce, so both paths are measured alike.
+    """
+
+    def __init__(self, model: nn.Module, criterion: nn.Module, dist: Dist, *, max_grad_norm: float | None,
+                 noise_multiplier: float, grad_sample_mode: str = "hooks", max_physical_batch_size: int = 512,
+                 noise_seed: int = 0, autocast_dtype: torch.dtype | None = None, loss_scale: float | None = None):
+        self.dist, self.criterion, self.autocast_dtype = dist, criterion, autocast_dtype
+        # fp16's narrow range needs the loss scaled (bf16 has float32's exponent range and needs none); see _losses
+        self.scale = float(loss_scale if loss_scale is not None else
+                           FP16_LOSS_SCALE if autocast_dtype == torch.float16 else 1.0)
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise WorkbenchError(f"the loss scale must be a finite number > 0, got {loss_scale}")
+        self.clip, self.sigma, self.mode = max_grad_norm, noise_multiplier, grad_sample_mode
+        self.max_physical_batch_size = max_physical_batch_size
+        self.private = max_grad_norm is not None
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise WorkbenchError("the model has no trainable parameters")
+        if len({p.dtype for p in self.params}) > 1:
+            raise WorkbenchError(f"the model's trainable parameters mix dtypes {sorted({str(p.dtype) for p in self.params})}; "
+                                 "one flat gradient buffer needs one")
+        if self.private and self.mode == "auto":
+            self.mode = clipping.fastest_grad_sample_mode(model)
+        self.clipper = clipping.make(model, self.params, max_grad_norm=max_grad_norm, mode=self.mode)
+        self.clipper.max_batch = max_physical_batch_size
+        self.module = self.clipper.module
+        if self.private and autocast_dtype is not None and self.mode == "ew":
+            raise WorkbenchError(f"grad_sample_mode={self.mode} cannot run in mixed precision: its clipped sum is not "
+                                 "computed from the per-sample gradients its norms were; use bk or hooks")
+        numel = sum(p.numel() for p in self.params)
+        device = self.params[0].device
+        if autocast_dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise WorkbenchError(f"bf16=true: {torch.cuda.get_device_name(device)} has no bfloat16; use fp16=true")
+        # Gradient sum, then [loss sum, example count]: the step's one collective carries all three.
+        self.flat = torch.zeros(numel + 2, device=device, dtype=self.params[0].dtype)
+        self.grad_views, offset = [], 0
+        for p in self.params:
+            self.grad_views.append(self.flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.view_of = {id(p): view for p, view in zip(self.params, self.grad_views)}
+        self.numel = numel
+        self.loss_sum, self.count = self.flat[-2], self.flat[-1]  # 0-d views: cheaper to add to than flat[-2]
+        self._update, self._totals = self.flat[:numel], self.flat[numel:]  # views made once, not per step
+        self.noise = GaussianNoise(noise_multiplier, max_grad_norm, numel, dist.rank, device, noise_seed) \
+            if self.private else None
+
+    @property
+    def noise_seed(self) -> int:
+        return self.noise.seed if self.noise is not None else 0
+
+    @noise_seed.setter
+    def noise_seed(self, seed: int) -> None:
+        """The secret noise seed, known only once the run's secret is (a resumed run takes its checkpoint's)."""
+        if self.noise is not None:
+            self.noise.seed = seed
+
+    def check(self, batch: Any) -> None:
+        """Before any training, on a real batch: the criterion gives one loss per example, and the strategy's
+        assumptions about the model hold (book-keeping's cannot all be read off the layers). Run in the parameters'
+        precision: the checks compare against autograd there."""
+        self.clipper.check(self._to_device(batch), self._precise_losses)
+
+    def _forward(self, module: nn.Module, batch: Batch) -> Any:
+        # Opacus' ew wrapper reads the batch size off a positional input (the pre-run check also calls the bare model)
+        if self.private and self.mode == "ew" and module is self.module:
+            from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+
+            module = call_for_per_sample_grads(module._module, batch_size=len(batch), loss_reduction="sum")
+        return batch.forward(module)
+
+    def _precise_losses(self, module: nn.Module, batch: Batch) -> torch.Tensor:
+        """The loss function the clipping strategies call: forward ``module`` on the micro-batch, one loss per example."""
+        losses = self.criterion(logits_of(self._forward(module, batch)), batch.labels)
+        if losses.dim() != 1 or len(losses) != len(batch):
+            raise WorkbenchError(f"the criterion must return one loss per example (reduction='none'), not shape "
+                                 f"{tuple(losses.shape)} for a batch of {len(batch)}")
+        return losses.float()
+
+    def _losses(self, module: nn.Module, batch: Batch) -> torch.Tensor:
+        """As _precise_losses, under autocast with bf16/fp16 (norms and clipping stay float32: clipping/), times the
+        loss scale S (fp16: ``fp16_loss_scale``; 1 otherwise), so that small gradients survive the fp16 backward.
+
+        Inside the contract: clipping to C*S and noise of std sigma*C*S, divided by S, give DP-SGD's own update (every
+        clip factor is unchanged). S is fixed, not dynamic as torch's GradScaler: an example whose backward overflows
+        contributes 0 (clipping/base.py), so the released update stays finite and no overflow is ever seen to adapt
+        to, nor may it be (whether one occurred depends on one example's data). Per-example losses are summed, not
+        averaged over the batch: the gradient at the logits reaches S itself, hence 2**10 and not GradScaler's 2**16."""
+        if self.autocast_dtype is None:  # entering a disabled autocast still costs more than the MLP's loss
+            losses = self._precise_losses(module, batch)
+        else:
+            with torch.autocast(self.flat.device.type, dtype=self.autocast_dtype):
+                losses = self._precise_losses(module, batch)
+        return losses if self.scale == 1.0 else losses * self.scale
+
+    def _to_device(self, batch: Any) -> Batch:
+        return as_batch(batch).to(self.flat.device, non_blocking=True)
+
+    def _micro_batches(self, batch: Batch):
+        if len(batch) <= self.max_physical_batch_size:  # at most one micro-batch: the batch itself, no slicing
+            if len(batch):  # an empty draw has none (the step still adds noise and joins the all-reduce)
+                yield batch
+            return
+        for start in range(0, len(batch), self.max_physical_batch_size):
+            yield batch.slice(start, start + self.max_physical_batch_size)
+
+    def __call__(self, batch: Any, step: int) -> tuple[float, float]:
+        """Fill each parameter's .grad with the noised clipped sum; return the cluster-wide (loss sum, example count)."""
+        self.flat.zero_()
+        for p in self.params:  # a .grad left from outside (no zero_grad) must not leak unclipped into the backward modes
+            p.grad = None
+        scale = self.scale
+        if self.private:
+            self.clipper.clip = self.clip * scale  # scaled losses, scaled bound: every clip factor is unchanged
+        if batch is not None:  # 1-2: per-sample gradients, clipped and summed into the flat buffer
+            for micro_batch in self._micro_batches(self._to_device(batch)):
+                if getattr(self.clipper, "checked", True) is False:  # normally check() ran before training
+                    # on a few examples, as run.py does: the check is one autograd call per example
+                    self.clipper.check(micro_batch.slice(0, CHECK_EXAMPLES), self._precise_losses)
+                losses = self.clipper.accumulate(micro_batch, self._losses, self.view_of)
+                self.loss_sum.add_(losses.sum() if scale == 1.0 else losses.sum() / scale)
+                self.count.add_(len(losses))
+        if self.noise is not None:  # 3: rank 0's noise (privacy/noise.py), every step, whatever the batch
+            self.noise.add_(self._update, step, scale)
+        self.dist.all_reduce_(self.flat)
+        for p, view in zip(self.params, self.grad_views):
+            p.grad = view  # a view into the reduced buffer: no copy; the next step re-zeroes the buffer
+        loss_sum, count = self._totals.tolist()  # one host read for both
+        return loss_sum, count
+
+    def divide_(self, expected_batch: float) -> None:
+        """Step 4's division of every gradient by the expected batch B (and the loss scale S), in one operation on the
+        reduced buffer."""
+        self._update.div_(expected_batch * self.scale)
+
+    @property
+    def update(self) -> torch.Tensor:
+        """The step's released update (noised, all-reduced), as a flat view."""
+        return self._update
