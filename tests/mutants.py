@@ -147,7 +147,7 @@ MUTANTS = (
            "not isinstance(mu, bool) and mu < 1:", "not isinstance(mu, bool) and mu < 0:",
            ("tests/test_bad_input.py::test_bad_input_is_one_line_before_any_run_or_folder[sweep.poisson_mean=0.5]",)),
     Mutant("only-drawn-points-bounded", "sweep_epsilon_best covers only the points that were drawn, not every point "
-           "that could have been", "workbench/sweep.py", "    for c in candidates:\n",
+           "that could have been", "workbench/sweep/summary.py", "    for c in candidates:\n",
            "    for c in [c for c, n in zip(candidates, state['trials']) if n]:\n",
            ("tests/test_sweeps.py::test_random_stopping_bounds_every_point_of_the_grid_drawn_or_not",)),
     Mutant("profile-bound-without-second-term", "the profile bound drops the term for how the best is chosen",

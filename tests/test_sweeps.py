@@ -301,7 +301,7 @@ def test_points_on_different_data_warn_that_the_bound_does_not_apply(tmp_path, m
     assert any("'privacy=none' is not private" in m for m in messages)
 
 
-# ------------------------------------------------------------------- the privacy-profile bound (workbench/selection.py)
+# ------------------------------------------------------------------- the privacy-profile bound (workbench/privacy/accounting/selection.py)
 
 
 def _exact_selection_delta(p, p_other, phi):
@@ -427,9 +427,10 @@ def test_a_launched_job_reports_its_end_to_the_sweep_through_the_hook(make_cfg, 
     """A point's job calls the sweep back (so the last point of a sweep whose driver left summarises it) through the
     hook its launcher passes in: the job itself never imports the sweep layer. A failing hook never fails the run."""
     from workbench import launch
+    from workbench.sweep import driver
 
     ended = []
-    monkeypatch.setattr(sweep, "point_ended", lambda sweep_dir: ended.append(str(sweep_dir)))
+    monkeypatch.setattr(driver, "point_ended", lambda sweep_dir: ended.append(str(sweep_dir)))
     cfg = make_cfg("experiment=quick", "privacy=none", "max_steps=1", f"tracking.sweep_dir={tmp_path / 'sweep'}")
     launch.launch(cfg)
     assert ended == [str(tmp_path / "sweep")]

@@ -85,7 +85,7 @@ class TrackingConfig:
 
 @dataclass
 class SweepConfig:
-    """What a multirun sweep's parent run reports (workbench/sweep.py)."""
+    """What a multirun sweep's parent run reports (workbench/sweep/)."""
 
     metrics: Dict[str, str] = field(default_factory=lambda: {"eval_accuracy": "max"})  # best point by: max | min
     # all: every point may be published (cost: sweep_epsilon_all). random_stopping: the driver runs K trials, K drawn
@@ -302,7 +302,7 @@ def _check_ranges(cfg: DictConfig) -> None:
 
 
 def _check_sweep(cfg: DictConfig) -> None:
-    """Random stopping's K must be in the range of the theorems that bound it (workbench/sweep.py)."""
+    """Random stopping's K must be in the range of the theorems that bound it (workbench/sweep/)."""
     mu = OmegaConf.select(cfg, "sweep.poisson_mean")
     if isinstance(mu, (int, float)) and not isinstance(mu, bool) and mu < 1:
         # Papernot & Steinke's Theorem 6 has a log(mu) term: below 1 it would make the bound smaller than one run's.

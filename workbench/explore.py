@@ -81,7 +81,7 @@ def sweep(points: Sequence[Sequence[str]] = DEFAULT_SWEEP, overrides: Sequence[s
           sweep_dir: str | Path | None = None) -> str | None:
     """Train each point (a list of overrides, after the common `overrides`) in this process, one after the other, as
     child runs of one MLflow parent run, like ``python -m workbench -m ...`` does: the parent is made first and
-    summarised at the end (table, frontier, best point, ``sweep_epsilon_all``; see workbench/sweep.py). With
+    summarised at the end (table, frontier, best point, ``sweep_epsilon_all``; see workbench/sweep/). With
     ``sweep.tuning=random_stopping`` in `overrides`, each point is trained as many times as the random draw says.
     Run folders go under `sweep_dir` (default ``multirun/<date>/<time>``). Returns the parent run id (None with
     tracking off)."""

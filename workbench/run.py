@@ -82,7 +82,7 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: l
     """Run one job in this process (joining the job's process group when there is one). ``callbacks``: objects with
     ``on_step_end(state)`` and friends (workbench/callbacks.py), after those in ``cfg.callbacks``. ``on_end(cfg)``:
     called once the job has ended, however it ended, where it made an MLflow run (rank 0); what launches the job
-    passes it (a sweep's point summarises its sweep, workbench/sweep.py), so the job never imports the layers above."""
+    passes it (a sweep's point summarises its sweep, workbench/sweep/), so the job never imports the layers above."""
     config.validate(cfg)
     with signals_interrupt():
         return _train(cfg, compute_metrics, callbacks, on_end)

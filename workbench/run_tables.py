@@ -1,7 +1,7 @@
 """MLflow runs read back as tables (pandas DataFrames): every run, one sweep's runs, a sweep's summary, a run's epsilon.
 
 Below the sweep driver and the notebook helpers, which both read runs: the driver summarises its sweep from
-:func:`sweep_frame` (workbench/sweep.py), the notebook re-exports these (workbench/explore.py).
+:func:`sweep_frame` (workbench/sweep/), the notebook re-exports these (workbench/explore.py).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def sweep_frame(parent_run_id: str, tracking_uri: str | None = None):
 
 
 def sweep_summary(parent_run_id: str, tracking_uri: str | None = None) -> dict[str, Any]:
-    """What a sweep's parent run reports (workbench/sweep.py): its metrics (points, points_finished, points_failed,
+    """What a sweep's parent run reports (workbench/sweep/): its metrics (points, points_finished, points_failed,
     best_<metric>, sweep_epsilon_all, sweep_delta, sweep_epsilon_best...), its best-point tags, ``notes`` (why a bound
     may not apply) and ``table``, the ``sweep_table.csv`` artifact as a DataFrame (one row per point)."""
     import pandas as pd

@@ -66,7 +66,7 @@ class Mechanism:
         return self.accountant.epsilon(steps, self.delta, on_disk=True)
 
     def event_fields(self) -> dict[str, Any]:
-        """The run's mechanism as its ``workbench.dp_event`` MLflow tag records it (read back by workbench/sweep.py)."""
+        """The run's mechanism as its ``workbench.dp_event`` MLflow tag records it (read back by workbench/sweep/)."""
         if not self.private:
             return {"private": False}
         a = self.accountant

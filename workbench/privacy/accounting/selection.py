@@ -2,7 +2,7 @@
 
 Koskela, Redberg & Wang ("Privacy Profiles for Private Selection", ICML 2024) bound the tuned algorithm's privacy
 profile delta_A(eps) from the base runs' profile delta_Q (our PLDs) through K's probability generating function
-phi(z) = E[z^K], instead of going through Renyi DP (Papernot & Steinke 2022, workbench/sweep.py). We could not read
+phi(z) = E[z^K], instead of going through Renyi DP (Papernot & Steinke 2022, tuning.py). We could not read
 their theorems' exact statements here, so this module implements only the bound proved below, in their spirit
 (profiles and phi), and every step of the computation rounds towards a larger delta.
 
