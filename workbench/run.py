@@ -24,7 +24,9 @@ from workbench import callbacks as callbacks_
 from workbench.errors import TrainingStopped, WorkbenchError
 from workbench.interrupt import Interrupted, ignore_further, signals_interrupt
 from workbench.models import prepare_model
-from workbench.tracking import end_if_abandoned, git_sha, make_tracker, ui_command
+from workbench.tracking.runs import git_sha
+from workbench.tracking.tracker import end_if_abandoned, make_tracker
+from workbench.tracking.uris import ui_command
 from workbench.trainer import CHECK_EXAMPLES, Evaluator, GradientStep, History, Trainer, lr_lambda
 from workbench.world_size import planned_world_size
 

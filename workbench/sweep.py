@@ -4,7 +4,7 @@ ended (table, frontier, best point per metric, counts); and what the sweep costs
 The driver is whatever runs the points: Hydra calls :class:`SweepCallback` (``hydra.callbacks`` in conf/config.yaml)
 in its own process for every launcher (basic, submitit plugin; points that use ``launcher=local|slurm`` submit from
 there too); :func:`workbench.explore.sweep` calls :func:`start` and :func:`finish` itself. The driver writes the parent
-run id to ``<sweep dir>/.workbench-sweep.json``; points read it (:func:`workbench.tracking.sweep_parent`) and never
+run id to ``<sweep dir>/.workbench-sweep.json``; points read it (:func:`workbench.tracking.runs.sweep_parent`) and never
 make a parent. When the driver ends before its points (``launcher.wait=false``) the last point to end summarises.
 
 What a sweep costs, every point having trained on the same private data (add-or-remove-one neighbours):
@@ -43,7 +43,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from workbench import privacy
 from workbench.errors import WorkbenchError
-from workbench.tracking import PARENT_TAG, SWEEP_FILE, SWEEP_TAG, MlflowTracker, tracking_uri, ui_command
+from workbench.tracking.runs import PARENT_TAG, SWEEP_FILE, SWEEP_TAG
+from workbench.tracking.tracker import MlflowTracker
+from workbench.tracking.uris import tracking_uri, ui_command
 
 log = logging.getLogger("workbench")
 
@@ -308,7 +310,7 @@ def finish(sweep_dir: str | Path) -> dict | None:
     state = read_state(sweep_dir)
     if not state or not state.get("parent_run_id"):
         return None
-    from workbench.tracking import _retry
+    from workbench.tracking.store import _retry
 
     tracker = _parent_tracker(state)
     with _Lock(sweep_dir):
@@ -327,7 +329,7 @@ def point_ended(sweep_dir: str | Path) -> dict | None:
     state = read_state(sweep_dir)
     if not state or not state.get("parent_run_id"):
         return None
-    from workbench.tracking import _retry
+    from workbench.tracking.store import _retry
 
     tracker = _parent_tracker(state)
     with _Lock(sweep_dir):
