@@ -28,11 +28,13 @@ class _LoopTimers:
     """Wraps (at run time) Trainer.fit, and, while fit runs, MlflowTracker.log_many and Accountant.epsilon."""
 
     def __init__(self):
-        from workbench import privacy, tracking, trainer
+        from workbench import privacy, trainer
+        from workbench.tracking.store import Store
+        from workbench.tracking.worker import WorkerStore
 
         # The store's send of each queued write (metrics lines, artifacts): in this process (Store.send), or the round
         # trip to the CLI's tracking worker process (WorkerStore._call("send", ...)); the sums keep the old name.
-        self.targets = [(trainer.Trainer, "fit"), (tracking.Store, "send"), (tracking.WorkerStore, "_call"),
+        self.targets = [(trainer.Trainer, "fit"), (Store, "send"), (WorkerStore, "_call"),
                         (privacy.Accountant, "epsilon")]
         self.originals = {(cls, name): getattr(cls, name) for cls, name in self.targets}
         self.inside_fit = False

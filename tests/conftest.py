@@ -48,6 +48,7 @@ def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300
 
 
 from tests.slurm_cluster import slurm_cluster  # noqa: E402,F401  (session-scoped: a real SLURM with accounting)
+from tests.mlflow_server import mlflow_server, server  # noqa: E402,F401  (a real `mlflow server` a test can kill)
 
 
 

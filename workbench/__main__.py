@@ -170,11 +170,12 @@ def _non_zero_rank_overrides() -> list[str]:
 
 def _prestart_tracking(configs: list[DictConfig]) -> None:
     """One job whose rank 0 tracks: its MLflow worker process starts now, importing MLflow on another core while this
-    one imports torch and builds the job (workbench.tracking.WorkerStore)."""
+    one imports torch and builds the job (workbench.tracking.worker.WorkerStore)."""
     rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
     multirun = "-m" in sys.argv[1:] or "--multirun" in sys.argv[1:]  # its driver tracks in process (workbench.sweep)
     if len(configs) == 1 and not multirun and rank in (None, "", "0") and configs[0].tracking.enabled:
-        from workbench.tracking import prestart, tracking_uri
+        from workbench.tracking.uris import tracking_uri
+        from workbench.tracking.worker import prestart
 
         prestart(tracking_uri(configs[0].tracking.uri))
 

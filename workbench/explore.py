@@ -146,7 +146,7 @@ def make_frontier(out: str | Path, overrides: Sequence[str] = (), workdir: str |
         out.parent.mkdir(parents=True, exist_ok=True)
         plot_frontier(runs, metric).savefig(out)
         if workdir:
-            from workbench.tracking import ui_command
+            from workbench.tracking.uris import ui_command
 
             print(f"runs kept: {ui_command(uri)}")
     return runs

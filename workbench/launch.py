@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from workbench import checkpoint, config
 from workbench.errors import WorkbenchError
-from workbench.tracking import scrub
+from workbench.tracking.redaction import scrub
 from workbench.world_size import local_gpus, planned_world_size, slurm_tasks_per_node
 
 log = logging.getLogger("workbench")
@@ -192,7 +192,7 @@ def _executor(cfg: DictConfig, folder: Path):
 def submit(cfg: DictConfig) -> Any:
     """Submit one job (local processes or SLURM); wait for it and report, or print where it runs and return."""
     from workbench.run import closing_line
-    from workbench.tracking import make_tracker
+    from workbench.tracking.tracker import make_tracker
 
     output_dir = config.resolve_output_dir(cfg)
     cfg.output_dir = str(output_dir)

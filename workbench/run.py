@@ -21,7 +21,9 @@ from workbench.errors import TrainingStopped, WorkbenchError
 from workbench.evaluation import Evaluator
 from workbench.interrupt import Interrupted, ignore_further, signals_interrupt
 from workbench.job import Job, build
-from workbench.tracking import end_if_abandoned, git_sha, make_tracker, ui_command
+from workbench.tracking.runs import git_sha
+from workbench.tracking.tracker import end_if_abandoned, make_tracker
+from workbench.tracking.uris import ui_command
 from workbench.trainer import History, LoopConfig, Trainer
 
 if TYPE_CHECKING:  # audit=canaries only: scipy.stats is most of a second to import

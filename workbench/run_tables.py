@@ -9,7 +9,8 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-from workbench.tracking import PARENT_TAG, tracking_uri as resolve_uri
+from workbench.tracking.runs import PARENT_TAG
+from workbench.tracking.uris import tracking_uri as resolve_uri
 
 
 def mlflow_client(tracking_uri: str | None):

@@ -4,7 +4,7 @@ ended (table, frontier, best point per metric, counts); and what the sweep costs
 The driver is whatever runs the points: Hydra calls :class:`SweepCallback` (``hydra.callbacks`` in conf/config.yaml)
 in its own process for every launcher (basic, submitit plugin; points that use ``launcher=local|slurm`` submit from
 there too); :func:`workbench.explore.sweep` calls :func:`start` and :func:`finish` itself. The driver writes the parent
-run id to ``<sweep dir>/.workbench-sweep.json``; points read it (:func:`workbench.tracking.sweep_parent`) and never
+run id to ``<sweep dir>/.workbench-sweep.json``; points read it (:func:`workbench.tracking.runs.sweep_parent`) and never
 make a parent. When the driver ends before its points (``launcher.wait=false``) the last point to end summarises.
 
 What a sweep costs is computed by workbench/privacy/accounting/tuning.py (its docstring says how): the parent reports

@@ -17,7 +17,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from workbench.errors import WorkbenchError
 from workbench.privacy.accounting.tuning import TRIALS, _tnb_pmf
 from workbench.sweep.summary import PENDING_TAG, TERMINAL, _varied_keys, summarise
-from workbench.tracking import PARENT_TAG, SWEEP_FILE, SWEEP_TAG, MlflowTracker
+from workbench.tracking.runs import PARENT_TAG, SWEEP_FILE, SWEEP_TAG
+from workbench.tracking.tracker import MlflowTracker
 
 log = logging.getLogger("workbench")
 
@@ -170,7 +171,7 @@ def finish(sweep_dir: str | Path) -> dict | None:
     state = read_state(sweep_dir)
     if not state or not state.get("parent_run_id"):
         return None
-    from workbench.tracking import _retry
+    from workbench.tracking.store import _retry
 
     tracker = _parent_tracker(state)
     with _Lock(sweep_dir):
@@ -189,7 +190,7 @@ def point_ended(sweep_dir: str | Path) -> dict | None:
     state = read_state(sweep_dir)
     if not state or not state.get("parent_run_id"):
         return None
-    from workbench.tracking import _retry
+    from workbench.tracking.store import _retry
 
     tracker = _parent_tracker(state)
     with _Lock(sweep_dir):

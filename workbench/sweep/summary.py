@@ -14,7 +14,8 @@ from typing import Any, Sequence
 from workbench import privacy
 from workbench.errors import WorkbenchError
 from workbench.privacy.accounting.tuning import composed_epsilon, profile_epsilon, random_stopping_epsilon
-from workbench.tracking import MlflowTracker, tracking_uri, ui_command
+from workbench.tracking.tracker import MlflowTracker
+from workbench.tracking.uris import tracking_uri, ui_command
 
 log = logging.getLogger("workbench")
 

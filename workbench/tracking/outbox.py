@@ -10,6 +10,9 @@ An operation is a JSON-able tuple: ``("metrics", [[{name: value}, step, ms], ...
 ``("tags", {k: v})``, ``("artifact", staged_file, artifact_path)``, ``("curves", file_name, {steps, loss, epsilon,
 delta})`` (the training-curves figure, drawn where it is sent: matplotlib stays out of the training process),
 ``("status", "FINISHED"|"FAILED"|"KILLED")``.
+
+MLflow is not imported here: operations are written to it by :mod:`workbench.tracking.store` (in this process or in
+the worker process of :mod:`workbench.tracking.worker`), and a spool is uploaded by :mod:`workbench.tracking.upload`.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("workbench.outbox")  # the name its lines have always been logged under
 
 SPOOL = "tracking-spool"
 RETRY_MIN, RETRY_MAX = 0.5, 5.0  # seconds between two tries of the oldest operation
@@ -36,7 +39,8 @@ def spool_dir(output_dir: str | Path) -> Path:
 
 class StoreError(Exception):
     """A tracking store's failure as one line, with the HTTP status MLflow gave it (None: no answer, or not HTTP).
-    Plain, so that it crosses from the tracking worker process (workbench.tracking) without importing MLflow here."""
+    Plain, so that it crosses from the tracking worker process (workbench.tracking.worker) without importing MLflow
+    here."""
 
     def __init__(self, message: str, http_status: int | None = None):
         super().__init__(message)
@@ -172,3 +176,18 @@ def read_spool(output_dir: str | Path) -> list[tuple[Path, dict[str, Any], list[
         lines = path.read_text().splitlines()
         out.append((path, json.loads(lines[0]), [tuple(json.loads(line)) for line in lines[1:] if line]))
     return out
+
+
+def only_new(lines, until: Mapping[str, int]) -> list:
+    """The lines a resumed run has not logged yet: each line has a key that identifies it."""
+    fresh = []
+    for metrics, step in lines:
+        key = next((k for k in until if k in metrics), None)
+        if key is None or step is None or step > until[key]:
+            fresh.append((metrics, step))
+    return fresh
+
+
+def unsent_lines(op: tuple, until: Mapping[str, int]) -> tuple:
+    """A spooled metrics operation without the lines the server already has."""
+    return ("metrics", [line for line in op[1] if only_new([(line[0], line[1])], until)])

@@ -1,0 +1,52 @@
+"""What MLflow may see (workbench/tracking/redaction.py): no secret reaches the store or its artifacts."""
+
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import run_cli
+
+
+def _store_and_artifacts(tmp_path: Path, *own: Path) -> list[Path]:
+    """Every file the tracking store holds: the SQLite file and the whole artifact tree (all of tmp_path but the run
+    folders and Hydra's log folder, which are the user's own: a run folder keeps the secret for resuming)."""
+    own = (*own, tmp_path / "outputs")
+    return [p for p in tmp_path.rglob("*") if p.is_file() and not any(d in p.parents for d in own)]
+
+
+@pytest.mark.slow
+def test_secrets_never_reach_mlflow(tmp_path):
+    """A pinned secure_seed and a run's stream secret appear nowhere in the store or its artifacts, in any form, and
+    the published checkpoint holds nothing (such as a digest of config + seed) that would let a seed be brute-forced."""
+    import struct
+
+    import torch
+
+    from workbench import checkpoint
+
+    seed = 271828182845
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    for name, extra in [("pinned", [f"privacy.secure_seed={seed}"]), ("fresh", [])]:
+        run_dir = tmp_path / name
+        proc = run_cli("experiment=quick", "save_steps=5", f"output_dir={run_dir}", "disable_tqdm=true", *extra,
+                       cwd=tmp_path, env={"MLFLOW_TRACKING_URI": uri})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        secret = checkpoint.load(checkpoint.list_checkpoints(run_dir)[-1])["secret"]
+        if name == "pinned":
+            assert secret == seed
+        forms = [str(secret).encode(), hex(secret).encode(), struct.pack("<q", secret), struct.pack(">q", secret)]
+        files = _store_and_artifacts(tmp_path, tmp_path / "pinned", tmp_path / "fresh")
+        published = [p for p in files if p.suffix == ".pt"]
+        assert (tmp_path / "mlflow.db") in files and published and any(p.name == "config.yaml" for p in files)
+        for path in files:
+            blob = path.read_bytes()
+            assert not [f for f in forms if f in blob], f"the secret leaked into {path}"
+        for path in published:
+            state = torch.load(path, weights_only=True)
+            assert "secret" not in state and "privacy_digest" not in state
+    client = MlflowClient(tracking_uri=uri)
+    run = client.search_runs([client.get_experiment_by_name("workbench").experiment_id],
+                             "params.output_dir LIKE '%pinned'")[0]
+    assert run.data.params["privacy.secure_seed"] == "<redacted>"
+    assert "privacy.secure_seed=<redacted>" in run.data.tags["overrides"]

@@ -1,0 +1,174 @@
+"""The MLflow store in this process: every call a job's tracker makes, in plain values and plain errors; one outbox
+operation written with MLflow's client; a fresh SQLite store created once, under a lock; 'database is locked' retried.
+
+MLflow is imported on first use, never at import: a refused config opens no store, and the training process of a CLI
+job leaves MLflow to its worker process (:mod:`workbench.tracking.worker`), which runs this :class:`Store`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+from workbench.tracking.outbox import StoreError, unstage
+
+
+def _retry(fn, attempts: int = 8):
+    """Concurrent sweep points on one SQLite file can briefly see 'database is locked': retry with backoff."""
+    for i in range(attempts):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - only lock errors are retried
+            if "locked" not in str(e).lower() or i == attempts - 1:
+                raise
+            time.sleep(0.2 * 2**i)
+
+
+_READY_STORES: set[str] = set()
+
+
+def init_store(uri: str) -> None:
+    """Create and migrate a SQLite store once, under a file lock, before this process logs anything: processes
+    opening a fresh store at once otherwise race in its schema migration. Once per process and store."""
+    if uri in _READY_STORES or not uri.startswith("sqlite:///"):
+        return
+    import fcntl
+
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401 - seconds of imports, paid outside the lock
+    for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables...": noise to users,
+        logging.getLogger(name).setLevel(logging.WARNING)  # and it would precede a refusal's one line
+    from mlflow import MlflowClient
+
+    path = Path(uri[len("sqlite:///"):])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # The lock lives in the temp folder, keyed by the store's path: nothing is left beside the user's store.
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"workbench-store-{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        _retry(lambda: MlflowClient(tracking_uri=uri).search_experiments(max_results=1))
+    _READY_STORES.add(uri)
+
+
+def _plain(method):
+    """A store call's failure as a StoreError (one line, MLflow's HTTP status when it gave one): plain enough to
+    cross from the worker process, where MLflow's own exception types are not imported."""
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except StoreError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure of the store reaches the caller as one line
+            status = e.get_http_status_code() if hasattr(e, "get_http_status_code") else None
+            raise StoreError(" ".join(str(e).split()) or type(e).__name__, status) from None
+
+    return call
+
+
+class Store:
+    """The MLflow calls a job's tracker makes, in plain values (ids, flags, dicts) and plain errors (StoreError), so
+    that they run the same in this process or in a worker process (:class:`~workbench.tracking.worker.WorkerStore`)."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+        self._client = None
+
+    @property
+    def client(self):
+        """Made on first use: opening a SQLite store creates it, which a refused config must not do."""
+        if self._client is None:
+            from mlflow import MlflowClient
+
+            init_store(self.uri)
+            self._client = MlflowClient(tracking_uri=self.uri)
+        return self._client
+
+    @_plain
+    def experiment_id(self, name: str) -> str:
+        def get_or_create() -> str:
+            exp = self.client.get_experiment_by_name(name)
+            if exp is not None:
+                return exp.experiment_id
+            try:
+                return self.client.create_experiment(name)
+            except Exception:  # noqa: BLE001 - a concurrent point created it first
+                exp = self.client.get_experiment_by_name(name)
+                if exp is None:
+                    raise
+                return exp.experiment_id
+
+        return _retry(get_or_create)
+
+    @_plain
+    def create_run(self, experiment_id: str, run_name: str | None, tags: dict[str, str]) -> str:
+        return _retry(lambda: self.client.create_run(experiment_id, run_name=run_name, tags=tags)).info.run_id
+
+    @_plain
+    def set_status(self, run_id: str, status: str) -> None:
+        _retry(lambda: self.client.update_run(run_id, status=status))
+
+    @_plain
+    def status(self, run_id: str) -> str:
+        return _retry(lambda: self.client.get_run(run_id)).info.status
+
+    @_plain
+    def has_params(self, run_id: str) -> bool:
+        return bool(_retry(lambda: self.client.get_run(run_id)).data.params)
+
+    @_plain
+    def logged_until(self, run_id: str) -> dict[str, int]:
+        return logged_until(self.client, run_id)
+
+    @_plain
+    def send(self, run_id: str, op: tuple) -> None:
+        send(self.client, run_id, op)
+
+
+STORE_CALLS = ("experiment_id", "create_run", "set_status", "status", "has_params", "logged_until", "send")
+
+
+def logged_until(client, run_id: str) -> dict[str, int]:
+    """The newest step already logged for each line key (training log, final summary, periodic eval)."""
+    until = {}
+    for key in ("loss", "steps", "eval_loss"):
+        history = _retry(lambda key=key: client.get_metric_history(run_id, key))
+        until[key] = max((m.step for m in history), default=-1)
+    return until
+
+
+def send(client, run_id: str, op: tuple) -> None:
+    """One outbox operation to MLflow (see :mod:`workbench.tracking.outbox`)."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    kind = op[0]
+    if kind == "metrics":
+        batch = [Metric(k, v, ms, step) for metrics, step, ms in op[1] for k, v in metrics.items()]
+        for i in range(0, len(batch), 1000):
+            _retry(lambda chunk=batch[i:i + 1000]: client.log_batch(run_id, metrics=chunk))
+    elif kind == "params":
+        params = [Param(k, v) for k, v in op[1].items()]
+        for i in range(0, len(params), 100):
+            _retry(lambda chunk=params[i:i + 100]: client.log_batch(run_id, params=chunk))
+    elif kind == "tags":
+        _retry(lambda: client.log_batch(run_id, tags=[RunTag(k, v) for k, v in op[1].items()]))
+    elif kind == "artifact":
+        client.log_artifact(run_id, op[1], op[2])
+        unstage(op)
+    elif kind == "curves":
+        from types import SimpleNamespace
+
+        from workbench.plots import training_curves
+
+        with tempfile.TemporaryDirectory() as tmp:
+            training_curves(SimpleNamespace(**op[2])).savefig(Path(tmp) / op[1])
+            client.log_artifact(run_id, str(Path(tmp) / op[1]))
+    elif kind == "status":  # the tag too: a launcher's run was tagged status=submitted at submission
+        _retry(lambda: client.set_tag(run_id, "status", op[1].lower()))
+        _retry(lambda: client.set_terminated(run_id, status=op[1]))
+    else:
+        raise ValueError(f"unknown tracking operation {kind!r}")
