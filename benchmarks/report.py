@@ -237,43 +237,7 @@ def render(results: dict, mode: str, command: str, machine: dict, total_s: float
     notes = _notes(results)
     if notes:
         lines += ["## Notes: what limits the missed targets, and the figures without one", ""] + [f"- {n}" for n in notes] + [""]
-    lines += ["## Lessons from earlier measurements (not re-measured by this run)", ""] + [f"- {n}" for n in LESSONS] + [""]
     return "\n".join(lines)
-
-
-# What earlier rounds measured and learnt (issue 10's hand-recorded runs, retired candidates): kept while still true.
-LESSONS = [
-    "Book-keeping (`bk`) takes each layer call's output gradient as it arrives in the backward (no weight-gradient "
-    "pass) and picks a route per call by memory (`workbench/privacy/clipping/layers.py`): where the per-sample gradients are no "
-    "larger than the layer's input and output gradient (convolutions, sequences through narrow Linears, LoRA, "
-    "normalisation affine parameters) it forms them at once (convolutions by torch's weight-gradient kernel with the "
-    "examples folded into groups, 2-6x faster than unfold + bmm on the ResNet's layers; sequences by one bmm) and the "
-    "clipped sum is one matrix-vector product; otherwise (one row per example through a Linear, embeddings, wide "
-    "layers) it keeps input and gradient and takes the norms in closed form. The Gram-matrix (\"ghost\") norm for "
-    "sequence Linears measured slower than the per-sample bmm on these presets' shapes (0.38 vs 0.13 ms on BERT's, "
-    "9.4 vs 6.8 ms on the transformer's) and cancels in float32, so it is not used for Linear layers.",
-    "On the 9.6k-parameter MLP a non-private step takes about 0.5 ms; bk adds about 0.19 ms of small-tensor ops and "
-    "hook plumbing (about 25 ops at 3-7 us each) and the noise draw about 50 us: 0.7x would need the post-backward "
-    "work fused or compiled. Opacus' ghost clipping runs at 0.5-0.65x of non-private on the BERT and LoRA presets, so "
-    "2x ghost there would need our DP step faster than the non-private one.",
-    "On the tiny BERT (`text_classifier`: 32-wide layers over 64-token sequences) the per-sample bmm over 256 tiny "
-    "matrices costs about 3x the layers' weight gradients, so bk keeps (a, g) there and takes closed-form norms; the "
-    "DP / non-private ratio sits at 0.74-0.78x across runs on this shared machine, at the 0.75x target.",
-    "Start-up of the default job, before issue 10 (python -X importtime, warm): torch 0.9-1.1 s; `workbench.run` 0.7 s "
-    "(audit pulled in scipy); mlflow's import and store 1.9 s; calibration and the budget check, then `torch._dynamo` "
-    "(0.8-1.1 s, imported by the first `optimizer.step()` of any torch optimizer; raw Opacus pays it too); first step at "
-    "5.5 s, exit at 9.6 s (1.9 s of teardown). Now MLflow runs in a tracking worker process (`python -m workbench.tracking "
-    "serve`, started as soon as the config is checked) on the other core, with a URI/TCP pre-check in the job; audit "
-    "imports only for `audit=canaries`; calibration, budget and every epsilon of the schedule are cached on disk; the "
-    "closing figure is drawn by the worker; garbage collection is off during start-up and the heap frozen before "
-    "teardown. The end-to-end ratio needs the second core free for the worker: it rose to 0.46-0.70x while other "
-    "work loaded the machine.",
-    "End to end, the default job also does what the raw Opacus script does not: MLflow (run, metrics, artifacts, in "
-    "the worker), eval, the checkpoint, the epsilon-curve picture and Hydra's composition.",
-    "Retired candidate `norm_clip` (vector_norm + addmv_ for the per-sample-gradient modes) is the code of "
-    "`workbench.privacy.clipping.opacus_modes` now; the candidates benchmark that measured it (and two fixes never ported: "
-    "caching dp_accounting's self-convolution bounds, glibc's mallopt) has been removed.",
-]
 
 
 def _notes(results: dict) -> list[str]:
