@@ -35,7 +35,7 @@ def rows(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
 
 
 def cross_entropy(model: nn.Module, example: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The loss of one ``(inputs..., label)`` example: cross-entropy of the model's logits (its output or ``.logits``)."""
+    """One ``(inputs..., label)`` example's loss: cross-entropy of the model's logits (its output or ``.logits``)."""
     *inputs, label = example
     out = model(*inputs)
     return nn.functional.cross_entropy(getattr(out, "logits", out), label)

@@ -206,6 +206,14 @@ def test_evaluator_gathers_ragged_lm_logits_and_reports_perplexity(batched):
             torch.testing.assert_close(pred.predictions[3:, :6], model(**as_batch(batches[1]).kwargs).logits)
 
 
+def test_models_dp_cannot_handle_are_refused_with_a_fix():
+    with pytest.raises(WorkbenchError, match="BatchNorm.*privacy.fix_model=true replaces it"):
+        prepare_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), private=True, fix=False)
+    prepare_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), private=False, fix=False)
+    with pytest.raises(WorkbenchError, match="launcher=local"):
+        prepare_model(nn.DataParallel(nn.Linear(4, 4)), private=False)
+
+
 def test_fixed_transformer_and_lstm_keep_their_function_and_clip_exactly():
     x = torch.rand(9, 64)
     y = torch.randint(0, 10, (9,))
