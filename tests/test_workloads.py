@@ -491,7 +491,9 @@ def _scaled_run(scale, batches, *, start_step=0, device="cpu", autocast_dtype=No
 
     from workbench.callbacks import CallbackList
     from workbench.privacy import Accountant
-    from workbench.trainer import Trainer
+    from workbench.privacy.mechanism import Mechanism
+    from workbench.privacy.sampling import Shard
+    from workbench.trainer import LoopConfig, Trainer
 
     steps = len(batches)
     model = _mlp().to(device)
@@ -503,10 +505,11 @@ def _scaled_run(scale, batches, *, start_step=0, device="cpu", autocast_dtype=No
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     accountant = Accountant("pld", 0.1, 1.0)
     applied, tracker = _Applied(), _Lines()
-    cfg = SimpleNamespace(disable_tqdm=True, logging_steps=1, eval_steps=0, save_steps=0)
-    trainer = Trainer(cfg, d, model, step_fn, optimizer, scheduler, batches[start_step:], lambda: {}, accountant, 1e-5,
-                      tracker, 12.0, 120, steps, start_step, lambda s: None,
-                      CallbackList([applied], model, list(model.named_parameters()), steps))
+    # N = 120, B = 12 (q = 0.1), C = 0.5, sigma = 1: the mechanism the loop reads its steps, B and spend from
+    mechanism = Mechanism(Shard(range(120), 120, 0.1, 0, 12), "per_rank", 1, steps, 0.5, 1.0, 1e-5, accountant)
+    loop = LoopConfig(start_step, logging_steps=1, eval_steps=0, save_steps=0, progress_bar=False)
+    trainer = Trainer(loop, d, mechanism, model, step_fn, optimizer, scheduler, batches[start_step:], lambda: {},
+                      tracker, lambda s: None, CallbackList([applied], model, list(model.named_parameters()), steps))
     return SimpleNamespace(trainer=trainer, model=model, step_fn=step_fn, accountant=accountant, applied=applied,
                            tracker=tracker)
 
