@@ -52,13 +52,13 @@ MUTANTS = (
            ("tests/test_distributed.py::test_noise_is_added_exactly_once_cluster_wide[2]",)),
     Mutant("no-noise-on-empty-batch", "a step whose Poisson batch is empty releases no noise",
            "workbench/step.py", NOISE_CALL, NOISE_CALL.replace(" is not None:", " is not None and batch is not None:"),
-           ("tests/test_trainer.py::test_noise_std_is_sigma_times_clip_and_reproducible",)),
+           ("tests/test_noise.py::test_noise_std_is_sigma_times_clip_and_reproducible",)),
     Mutant("sampler-takes-first-k", "the batch is the first k examples (k ~ Binomial(n, q), so sizes look right)",
            "workbench/privacy/sampling.py", "mask = torch.rand(len(self.shard.indices), generator=g) < self.shard.sample_rate",
            "mask = torch.arange(len(self.shard.indices)) < "
            "(torch.rand(len(self.shard.indices), generator=g) < self.shard.sample_rate).sum()",
-           ("tests/test_data.py::test_each_example_is_included_binomial_t_q_times",
-            "tests/test_data.py::test_pairs_of_examples_are_included_together_q_squared_of_the_time")),
+           ("tests/test_sampling.py::test_each_example_is_included_binomial_t_q_times",
+            "tests/test_sampling.py::test_pairs_of_examples_are_included_together_q_squared_of_the_time")),
     Mutant("accountant-q-of-other-shard-mode", "the accountant gets the other shard mode's q (per_rank: B / (W N))",
            "workbench/privacy/mechanism.py",
            "accountant = Accountant(p.accountant, shard.sample_rate, sigma, world_size, shard_mode)",
@@ -138,7 +138,7 @@ MUTANTS = (
            ("tests/test_tracking_redaction.py::test_secrets_never_reach_mlflow",)),
     Mutant("budget-stop-ignored", "a run with fixed sigma takes all planned steps past target_epsilon",
            "workbench/privacy/mechanism.py", "            steps = budget\n", "            pass\n",
-           ("tests/test_privacy.py::test_a_run_with_fixed_noise_stops_at_the_budget",)),
+           ("tests/test_mechanism.py::test_a_run_with_fixed_noise_stops_at_the_budget",)),
     Mutant("resume-draws-a-fresh-secret", "a resumed unpinned run ignores its checkpoint's secret",
            "workbench/job.py", 'secret = state["secret"]', "secret = secret",
            ("tests/test_resume.py::test_an_unpinned_run_resumes_with_the_secret_of_its_checkpoint",)),
@@ -152,7 +152,7 @@ MUTANTS = (
            ("tests/test_sweeps.py::test_random_stopping_bounds_every_point_of_the_grid_drawn_or_not",)),
     Mutant("profile-bound-without-second-term", "the profile bound drops the term for how the best is chosen",
            "workbench/privacy/accounting/selection.py", "math.exp(e1) * second <= room", "0 * second <= room",
-           ("tests/test_sweeps.py::test_the_profile_bound_is_never_below_the_exact_selection_privacy_of_a_toy",)),
+           ("tests/test_selection.py::test_the_profile_bound_is_never_below_the_exact_selection_privacy_of_a_toy",)),
 )
 
 

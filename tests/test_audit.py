@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from workbench import audit
 
@@ -86,112 +87,6 @@ def test_ideal_bound_grows_as_the_noise_falls():
     loud = audit.ideal_lower_bound(1000, 0.1, 5.0, 50, 1, "per_rank", 1e-5)
     quiet = audit.ideal_lower_bound(1000, 0.1, 0.5, 50, 1, "per_rank", 1e-5)
     assert loud < 1 < 3 < quiet
-
-
-# ----------------------------------------------------------------------------------- canaries in the trainer
-
-import torch  # noqa: E402
-
-from tests.oracle import CLIPPED_RTOL  # noqa: E402
-from workbench.privacy.clipping.bound import RHO  # noqa: E402
-from torch import nn  # noqa: E402
-
-from workbench.privacy.auditing.canaries import BLOCK, CanaryAudit  # noqa: E402
-
-
-def _set(n=12, seed=1):
-    from workbench.data import ArrayDataset
-
-    g = torch.Generator().manual_seed(seed)
-    return ArrayDataset(torch.randn(n, 6, generator=g) * 3, torch.randint(0, 3, (n,), generator=g))
-
-
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-
-
-@pytest.mark.parametrize("mode", ["bk", "hooks", "functorch", "ew"])
-def test_canaries_take_the_trainers_own_path_and_touch_only_their_coordinate(mode):
-    from workbench.distributed import setup
-    from workbench.step import GradientStep
-
-    base, m, clip = _set(), 10, 0.5
-    ordinary = list(range(len(base)))
-    canaries = CanaryAudit(m, base, 0.05)
-    members = canaries.dataset.draw_membership(secret=7, seed=0)
-    assert 0 < members.sum() < m
-    batch = canaries.dataset.__getitems__(ordinary + [len(base) + j for j in range(m)])
-    module, criterion = canaries.wrap(_model(), nn.CrossEntropyLoss(reduction="none"), clip)
-    step = GradientStep(module, criterion, setup("gloo"), max_grad_norm=clip, noise_multiplier=0.0, grad_sample_mode=mode)
-    step.check(batch)
-    _, count = step(batch, step=0)
-    assert count == len(base) + m  # blanks count as examples: the batch size never reveals membership
-
-    # The user's parameters get exactly the unaudited clipped sum of the ordinary examples.
-    plain = GradientStep(_model(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=clip,
-                         noise_multiplier=0.0, grad_sample_mode=mode)
-    plain(base.__getitems__(ordinary), step=0)
-    for p, q in zip(step.params[:-1], plain.params):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
-    # The block: C on each member canary's coordinate (its clipped norm, up to the floating-point bound's margin:
-    # never above C (1 + RHO)), exactly 0 on blanks; the block is the last parameter.
-    assert step.params[-1] is module.canaries.weight
-    got = module.canaries.weight.grad.reshape(-1)
-    members = torch.from_numpy(members)
-    assert bool((got[~members] == 0).all())
-    assert bool((got[members] <= clip * (1 + RHO)).all()) and bool((got[members] >= clip * (1 - CLIPPED_RTOL)).all())
-
-
-def test_examples_must_be_tensor_pairs():
-    from workbench.errors import WorkbenchError
-
-    with pytest.raises(WorkbenchError, match=r"\(x, y\) examples"):
-        CanaryAudit(10, [{"x": torch.zeros(2)}], 0.05)
-    assert len(CanaryAudit(10, _set(), 0.05).dataset) == 12 + 10
-
-
-class CountingCallback:
-    """Built from config (callbacks=[{_target_: ...}]): records the steps it saw."""
-
-    steps: list = []
-
-    def on_step_end(self, state):
-        CountingCallback.steps.append(state.step)
-
-
-class Recorder:
-    def __init__(self):
-        self.began = self.ended = None
-        self.updates, self.params = [], []
-
-    def on_train_begin(self, state):
-        self.began = state.step
-
-    def on_step_end(self, state):
-        self.updates.append({k: v.clone() for k, v in state.updates.items()})
-        self.params.append({k: v.detach().clone() for k, v in state.model.named_parameters()})
-
-    def on_train_end(self, state):
-        self.ended = state.step
-
-
-def test_callbacks_see_the_released_update_of_each_step(make_cfg):
-    from workbench import train
-
-    CountingCallback.steps = []
-    recorder = Recorder()
-    cfg = make_cfg("experiment=quick", "max_steps=6", "optimizer.momentum=0", "tracking.enabled=false",
-                   "callbacks=[{_target_: tests.test_audit.CountingCallback}]")
-    result = train(cfg, callbacks=[recorder])
-    assert CountingCallback.steps == list(range(1, 7)) and (recorder.began, recorder.ended) == (0, 6)
-    names = [n for n, p in result.model.named_parameters()]
-    assert sorted(recorder.updates[0]) == sorted(names)
-    # Plain SGD: each step moves every parameter by -lr x the update the callback saw: the one the optimizer applied.
-    lr = cfg.learning_rate
-    for before, after, update in zip(recorder.params, recorder.params[1:], recorder.updates[1:]):
-        for n in names:
-            torch.testing.assert_close(after[n], before[n] - lr * update[n], rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- real runs (slow: seconds each)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from tests.oracle import CLIPPED_RTOL
+from tests.oracle import CLIPPED_RTOL, clipped_sum, rows
 from workbench.privacy.clipping import fastest_grad_sample_mode
 from workbench.privacy.clipping.bound import RHO
 from workbench.privacy.clipping.layers import ConvRule, LinearRule
@@ -16,23 +16,6 @@ from workbench.models import TinyTransformer
 from workbench.step import GradientStep
 
 CLIP = 0.3  # small enough that clipping bites on most examples here
-
-
-def _clipped_sum_loop(model, x, y, clip, dtype=torch.float64):
-    """The definition, computed in ``dtype`` (float64: an independent, more exact reference)."""
-    model = model.to(dtype)
-    params = [p for p in model.parameters() if p.requires_grad]
-    total = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in params]
-    bites = 0
-    for i in range(len(y)):
-        xi = x[i:i + 1].to(dtype) if x.is_floating_point() else x[i:i + 1]
-        grads = torch.autograd.grad(nn.functional.cross_entropy(model(xi), y[i:i + 1]), params, allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
-        norm = float(torch.sqrt(sum(g.pow(2).sum() for g in grads)))
-        bites += norm > clip
-        for t, g in zip(total, grads):
-            t += min(1.0, clip / (norm + 1e-6)) * g
-    return total, bites
 
 
 def _bk_sum(model, x, y, clip, physical=64):
@@ -260,7 +243,7 @@ def test_book_keeping_matches_the_per_example_loop(case, physical):
     x = data() * (3 if data().is_floating_point() else 1)
     y = torch.randint(0, 3, (len(x),), generator=torch.Generator().manual_seed(4))
     torch.manual_seed(0)
-    expected, bites = _clipped_sum_loop(make(), x, y, CLIP)
+    expected, bites = clipped_sum(make(), rows(x, y), CLIP)
     assert bites >= 2, "clipping must bite for the comparison to mean something"
     torch.manual_seed(0)
     got = _bk_sum(make(), x, y, CLIP, physical)
@@ -277,7 +260,7 @@ def test_book_keeping_in_bf16_is_as_close_as_bf16_allows(case):
     torch.manual_seed(0)
     model = make().to(torch.bfloat16)
     xb = x.to(torch.bfloat16) if x.is_floating_point() else x
-    reference = [t.float() for t in _clipped_sum_loop(model, xb, y, CLIP, torch.bfloat16)[0]]  # the loop, in bf16
+    reference = clipped_sum(model, rows(xb, y), CLIP, dtype=torch.bfloat16).grads  # the loop, in bf16
     torch.manual_seed(0)
     got = _bk_sum(make().to(torch.bfloat16), xb, y, CLIP)
     for g, e in zip(got, reference):
@@ -302,7 +285,7 @@ def test_auto_picks_book_keeping_for_every_covered_layer_and_refuses_what_it_can
 def test_sparse_embedding_is_checked_and_clipped_exactly():
     x, y = _ids(), torch.randint(0, 3, (9,), generator=torch.Generator().manual_seed(4))
     torch.manual_seed(0)
-    expected, _ = _clipped_sum_loop(_Embed(), x, y, CLIP)
+    expected = clipped_sum(_Embed(), rows(x, y), CLIP).grads
     torch.manual_seed(0)
     for g, e in zip(_bk_sum(_Embed(sparse=True), x, y, CLIP), expected):
         torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-6)
@@ -484,7 +467,7 @@ def _peft_lora():
 def test_book_keeping_clips_peft_lora_on_attention_exactly(physical):
     pytest.importorskip("peft")
     x, y = _ids(vocab=9), torch.randint(0, 3, (9,), generator=torch.Generator().manual_seed(4))
-    expected, bites = _clipped_sum_loop(_peft_lora(), x, y, CLIP)
+    expected, bites = clipped_sum(_peft_lora(), rows(x, y), CLIP)
     assert bites >= 2 and fastest_grad_sample_mode(_peft_lora()) == "bk"
     got = _bk_sum(_peft_lora(), x, y, CLIP, physical)
     assert len(got) == len(expected) == 8  # the adapters of q, v, o and the head saved in full
@@ -584,7 +567,7 @@ def test_an_example_with_a_non_finite_gradient_contributes_zero_and_the_others_a
     torch.manual_seed(0)
     model = net()
     torch.manual_seed(0)
-    expected, bites = _clipped_sum_loop(net(), x[finite], y[finite], CLIP)
+    expected, bites = clipped_sum(net(), rows(x[finite], y[finite]), CLIP)
     assert bites >= 2
     step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=CLIP,
                         noise_multiplier=0.0, grad_sample_mode=mode, loss_scale=scale)

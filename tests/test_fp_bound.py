@@ -18,6 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
+from tests.oracle import clipped_sum
 from workbench.privacy.clipping.bound import RHO
 from workbench.distributed import setup
 from workbench.errors import WorkbenchError
@@ -147,13 +148,8 @@ def _released(step, x, y) -> torch.Tensor:
 
 
 def _oracle(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The definition in float64: the example's own gradient by autograd, clipped to C."""
-    model = model.double()
-    params = [p for p in model.parameters() if p.requires_grad]
-    xd = x.double() if x.is_floating_point() else x
-    grads = torch.autograd.grad(nn.functional.cross_entropy(model(xd), y), params, allow_unused=True)
-    flat = torch.cat([(torch.zeros_like(p) if gr is None else gr).flatten() for p, gr in zip(params, grads)])
-    return flat * min(1.0, CLIP / float(flat.norm())) if float(flat.norm()) > 0 else flat
+    """The definition in float64 (tests/oracle.py): the example's own gradient by autograd, clipped to C, flat."""
+    return torch.cat([g.flatten() for g in clipped_sum(model, [(x, y)], CLIP).grads])
 
 
 def _model(name: str, pattern: str, exponent: int, flat: bool = False) -> nn.Module:

@@ -11,6 +11,7 @@ from torch import nn
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from tests.oracle import clipped_sum  # noqa: E402
 from workbench import hf  # noqa: E402
 from workbench.data import PadCollator  # noqa: E402
 from workbench.distributed import setup  # noqa: E402
@@ -70,13 +71,8 @@ def test_lora_clips_only_the_adapters_exactly(mode):
     model = _lora_lm()
     params = [p for p in model.parameters() if p.requires_grad]
     assert params and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
-    expected = [torch.zeros_like(p) for p in params]
-    for e in examples:
-        model.zero_grad()
-        loss(model(input_ids=e["input_ids"][None]).logits, e["labels"][None])[0].backward()
-        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
-        for t, p in zip(expected, params):
-            t += min(1.0, 0.1 / (float(norm) + 1e-6)) * p.grad
+    expected = clipped_sum(model, examples, 0.1,
+                           lambda m, e: loss(m(input_ids=e["input_ids"][None]).logits, e["labels"][None])[0]).grads
     step = GradientStep(_lora_lm(), loss, setup("gloo"), max_grad_norm=0.1, noise_multiplier=0.0,
                         grad_sample_mode=mode, max_physical_batch_size=4)
     if mode == "auto":
@@ -85,7 +81,7 @@ def test_lora_clips_only_the_adapters_exactly(mode):
     step.check(raw)
     step(raw, step=0)
     for p, e in zip(step.params, expected):
-        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(p.grad.double(), e, rtol=1e-4, atol=1e-6)
 
 
 BERT = dict(model_type="bert", vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
@@ -103,24 +99,16 @@ def test_bert_classifier_clips_each_example_exactly(mode):
     ds = hf.TextDataset(hf.synthetic_text(size=6), hf.synthetic_tokenizer())
     examples = [ds[i] for i in range(len(ds))]
     assert len({len(e["input_ids"]) for e in examples}) > 1  # padding is exercised
-    model = _bert()
-    params = [p for p in model.parameters() if p.requires_grad]
-    expected = [torch.zeros_like(p) for p in params]
     ce = nn.functional.cross_entropy
-    for e in examples:
-        model.zero_grad()
-        ce(model(input_ids=e["input_ids"][None], attention_mask=e["attention_mask"][None]).logits,
-           e["labels"][None]).backward()
-        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
-        for t, p in zip(expected, params):
-            t += min(1.0, 0.1 / (float(norm) + 1e-6)) * p.grad
+    expected = clipped_sum(_bert(), examples, 0.1, lambda m, e: ce(
+        m(input_ids=e["input_ids"][None], attention_mask=e["attention_mask"][None]).logits, e["labels"][None])).grads
     step = GradientStep(_bert(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=0.1,
                         noise_multiplier=0.0, grad_sample_mode=mode, max_physical_batch_size=4)
     raw = PadCollator()(examples)
     step.check(raw)
     step(raw, step=0)
     for p, e in zip(step.params, expected):
-        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(p.grad.double(), e, rtol=1e-4, atol=1e-6)
 
 
 def test_lm_lora_preset_logs_perplexity_and_keeps_the_adapter(make_cfg, mlflow_uri, tmp_path):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.oracle import clipped_sum, rows
 from workbench.config import GRAD_SAMPLE_MODES
 from workbench.distributed import setup
 from workbench.errors import WorkbenchError
@@ -83,19 +84,6 @@ def _build(case):
     return model, x, y
 
 
-def _per_example_clipped_sum(model, x, y, clip):
-    """The definition: each example's own gradient (autograd on its loss alone), flat-clipped to `clip`, summed."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    total, clipped = [torch.zeros_like(p) for p in params], 0
-    for i in range(len(y)):
-        grads = torch.autograd.grad(nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params)
-        norm = float(torch.sqrt(sum(g.pow(2).sum() for g in grads)))
-        clipped += norm > clip
-        for t, g in zip(total, grads):
-            t += min(1.0, clip / (norm + 1e-6)) * g
-    return total, clipped
-
-
 def _params():
     for case in CASES:
         for mode in GRAD_SAMPLE_MODES:
@@ -105,7 +93,7 @@ def _params():
 @pytest.mark.parametrize("case, mode", _params())
 def test_clipped_sum_equals_the_per_example_loop(case, mode):
     model, x, y = _build(case)
-    expected, clipped = _per_example_clipped_sum(model, x, y, CLIP)
+    expected, clipped = clipped_sum(model, rows(x, y), CLIP)
     assert 0 < clipped  # the clip binds: a mode that skipped clipping would not match
 
     model, x, y = _build(case)
@@ -122,7 +110,7 @@ def test_clipped_sum_equals_the_per_example_loop(case, mode):
     _, count = step((x, y), step=0)
     assert count == len(y)
     for p, e in zip(step.params, expected):
-        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(p.grad.double(), e, rtol=1e-4, atol=1e-6)
 
 
 def test_the_small_cnn_trains_privately(make_cfg, mlflow_uri):

@@ -8,6 +8,7 @@ import torch
 from mlflow import MlflowClient
 from torch import nn
 
+from tests.oracle import clipped_sum, rows
 from workbench.data import Batch, PadCollator, as_batch, collate
 from workbench.distributed import setup
 from workbench.errors import WorkbenchError
@@ -41,23 +42,9 @@ def _data(n=13, seed=1):
     return torch.randn(n, 6, generator=g) * 3, torch.randn(n, 4, generator=g) * 3, torch.randint(0, 3, (n,), generator=g)
 
 
-def _reference(make_model, examples, loss_fn, clip):
-    """The definition: each example's gradient alone (autograd), clipped to norm <= clip, summed."""
-    model = make_model()
-    params = [p for p in model.parameters() if p.requires_grad]
-    total = [torch.zeros_like(p) for p in params]
-    for example in examples:
-        model.zero_grad()
-        loss_fn(model, example).backward()
-        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
-        for t, p in zip(total, params):
-            t += min(1.0, clip / (float(norm) + 1e-6)) * p.grad
-    return total
-
-
 def _assert_grads(step, expected):
     for p, e in zip(step.params, expected):
-        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(p.grad.double(), e, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["bk", "hooks", "functorch", "ew"])
@@ -65,8 +52,7 @@ def _assert_grads(step, expected):
 def test_multi_input_and_mapping_batches_match_the_per_example_loop(mode, shape):
     a, b, y = _data()
     raw = (a, b, y) if shape == "positional" else {"a": a, "b": b, "labels": y}
-    ce = nn.functional.cross_entropy
-    expected = _reference(_TwoInputs, range(len(y)), lambda m, i: ce(m(a[i:i + 1], b[i:i + 1]).logits, y[i:i + 1]), 0.5)
+    expected = clipped_sum(_TwoInputs(), rows(a, b, y), 0.5).grads  # reads the output's .logits
     step = GradientStep(_TwoInputs(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=0.5,
                         noise_multiplier=0.0, grad_sample_mode=mode, max_physical_batch_size=4)  # 4 micro-batches
     step.check(raw)
@@ -166,7 +152,7 @@ def test_token_level_lm_clipping_matches_the_per_example_loop(mode, frozen):
         return loss(model(e["input_ids"][None], e["attention_mask"][None]).logits, e["labels"][None])[0]
 
     make = lambda: _TinyLM(freeze_embedding=frozen)  # noqa: E731 - bk clips nn.Linear only
-    expected = _reference(make, examples, one, clip=0.05)
+    expected = clipped_sum(make(), examples, 0.05, one).grads
     step = GradientStep(make(), loss, setup("gloo"), max_grad_norm=0.05, noise_multiplier=0.0, grad_sample_mode=mode,
                         max_physical_batch_size=3)
     raw = PadCollator()(examples)
@@ -220,6 +206,14 @@ def test_evaluator_gathers_ragged_lm_logits_and_reports_perplexity(batched):
             torch.testing.assert_close(pred.predictions[3:, :6], model(**as_batch(batches[1]).kwargs).logits)
 
 
+def test_models_dp_cannot_handle_are_refused_with_a_fix():
+    with pytest.raises(WorkbenchError, match="BatchNorm.*privacy.fix_model=true replaces it"):
+        prepare_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), private=True, fix=False)
+    prepare_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), private=False, fix=False)
+    with pytest.raises(WorkbenchError, match="launcher=local"):
+        prepare_model(nn.DataParallel(nn.Linear(4, 4)), private=False)
+
+
 def test_fixed_transformer_and_lstm_keep_their_function_and_clip_exactly():
     x = torch.rand(9, 64)
     y = torch.randint(0, 10, (9,))
@@ -239,8 +233,7 @@ def test_fixed_transformer_and_lstm_keep_their_function_and_clip_exactly():
             torch.manual_seed(1)
             return prepare_model(cls(), private=True)[0]
 
-        ce = nn.functional.cross_entropy
-        expected = _reference(again, range(len(y)), lambda m, i: ce(m(x[i:i + 1]), y[i:i + 1]), clip=0.1)
+        expected = clipped_sum(again(), rows(x, y), 0.1).grads
         step = GradientStep(again(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=0.1,
                             noise_multiplier=0.0, grad_sample_mode="auto", max_physical_batch_size=4)
         step((x, y), step=0)
@@ -375,8 +368,7 @@ def test_a_frozen_backbone_has_no_gradient_and_no_noise_and_its_head_clips_exact
     head = [p for n, p in model.named_parameters() if n.startswith("head")]
     assert [p for p in model.parameters() if p.requires_grad] == head
     x, y = torch.rand(9, 64), torch.randint(0, 10, (9,))
-    ce = nn.functional.cross_entropy
-    expected = _reference(_frozen_encoder, range(len(y)), lambda m, i: ce(m(x[i:i + 1]), y[i:i + 1]), clip=0.1)
+    expected = clipped_sum(_frozen_encoder(), rows(x, y), 0.1).grads
     step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=0.1,
                         noise_multiplier=0.0, grad_sample_mode="auto", max_physical_batch_size=4)
     assert step.mode == "bk" and step.numel == sum(p.numel() for p in head)  # the noise's dimension: the head's
@@ -439,8 +431,7 @@ def test_cuda_step_matches_the_per_example_loop(dtype):
     per-example loop's (to half-precision rounding), each example's contribution bounded in float32."""
     a, b, y = _data()
     raw = {"a": a.pin_memory(), "b": b.pin_memory(), "labels": y.pin_memory()}
-    ce = nn.functional.cross_entropy
-    expected = _reference(_TwoInputs, range(len(y)), lambda m, i: ce(m(a[i:i + 1], b[i:i + 1]).logits, y[i:i + 1]), 0.5)
+    expected = clipped_sum(_TwoInputs(), rows(a, b, y), 0.5).grads  # reads the output's .logits
     d = setup("gloo")
     # fp16: a loss scale these magnitudes keep finite (at a larger one an example may overflow and contribute 0:
     # tested below); none for bf16 and float32
@@ -452,7 +443,7 @@ def test_cuda_step_matches_the_per_example_loop(dtype):
     tolerance = dict(rtol=1e-4, atol=1e-5) if dtype is None else dict(rtol=5e-2, atol=2e-2)
     for p, e in zip(step.params, expected):
         assert p.grad.is_cuda and p.grad.dtype == torch.float32
-        torch.testing.assert_close(p.grad.cpu(), e, **tolerance)
+        torch.testing.assert_close(p.grad.cpu().double(), e, **tolerance)
 
 
 # fp16's fixed loss scale and the zeroing of an example whose backward overflows, in a real Trainer: on CPU in float32
@@ -500,7 +491,9 @@ def _scaled_run(scale, batches, *, start_step=0, device="cpu", autocast_dtype=No
 
     from workbench.callbacks import CallbackList
     from workbench.privacy import Accountant
-    from workbench.trainer import Trainer
+    from workbench.privacy.mechanism import Mechanism
+    from workbench.privacy.sampling import Shard
+    from workbench.trainer import LoopConfig, Trainer
 
     steps = len(batches)
     model = _mlp().to(device)
@@ -512,10 +505,11 @@ def _scaled_run(scale, batches, *, start_step=0, device="cpu", autocast_dtype=No
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     accountant = Accountant("pld", 0.1, 1.0)
     applied, tracker = _Applied(), _Lines()
-    cfg = SimpleNamespace(disable_tqdm=True, logging_steps=1, eval_steps=0, save_steps=0)
-    trainer = Trainer(cfg, d, model, step_fn, optimizer, scheduler, batches[start_step:], lambda: {}, accountant, 1e-5,
-                      tracker, 12.0, 120, steps, start_step, lambda s: None,
-                      CallbackList([applied], model, list(model.named_parameters()), steps))
+    # N = 120, B = 12 (q = 0.1), C = 0.5, sigma = 1: the mechanism the loop reads its steps, B and spend from
+    mechanism = Mechanism(Shard(range(120), 120, 0.1, 0, 12), "per_rank", 1, steps, 0.5, 1.0, 1e-5, accountant)
+    loop = LoopConfig(start_step, logging_steps=1, eval_steps=0, save_steps=0, progress_bar=False)
+    trainer = Trainer(loop, d, mechanism, model, step_fn, optimizer, scheduler, batches[start_step:], lambda: {},
+                      tracker, lambda s: None, CallbackList([applied], model, list(model.named_parameters()), steps))
     return SimpleNamespace(trainer=trainer, model=model, step_fn=step_fn, accountant=accountant, applied=applied,
                            tracker=tracker)
 

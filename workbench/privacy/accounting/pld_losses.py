@@ -15,7 +15,7 @@ class _VectorizedMixtureGaussianPrivacyLoss(_plm.MixtureGaussianPrivacyLoss):
 
     dp_accounting 0.6 bisects recursively in Python, one privacy-loss evaluation per tree node (seconds per PLD at
     W=8). Here every point runs the *same* bisection (same bounds, same midpoints, same comparisons, same stopping
-    rule, same rounding) as a numpy array, so the resulting PLD is identical; ``tests/test_privacy.py`` checks it
+    rule, same rounding) as a numpy array, so the resulting PLD is identical; ``tests/test_accounting.py`` checks it
     against the stock ``dp_accounting`` computation.
     """
 

@@ -1,5 +1,5 @@
-"""workbench.privacy: epsilon agrees with dp_accounting computed directly here, calibration never overshoots,
-budgets are consistent, errors are one clear WorkbenchError."""
+"""The accounting (workbench/privacy/accounting/): epsilon agrees with dp_accounting computed directly here, calibration
+never overshoots, budgets are consistent, errors are one clear WorkbenchError."""
 
 import io
 import math
@@ -319,23 +319,3 @@ def test_epsilon_schedule_gives_every_logging_step_its_own_epsilon():
     assert logging_steps(50, 57, 10) == [57] and logging_steps(20, 40, 10) == [30, 40]
 
 
-def test_a_run_with_fixed_noise_stops_at_the_budget(make_cfg, mlflow_uri):
-    """With sigma fixed and a target below what the planned steps cost, the run takes exactly the steps
-    dp_accounting allows (one more would exceed the target) and reports an epsilon within it, everywhere."""
-    from mlflow import MlflowClient
-
-    from workbench import train
-
-    q, sigma, planned = 64 / 2048, 1.0, 20  # experiment=quick: N=2048, B=64, max_steps=20
-    eps8, eps9 = (direct_poisson_pld(q, sigma, t, DELTA, privacy.DEFAULT_PLD_DISCRETIZATION) for t in (8, 9))
-    target = (eps8 + eps9) / 2  # 8 steps meet it, 9 exceed it
-    with pytest.warns(UserWarning, match=f"stops after 8 of {planned} steps"):
-        result = train(make_cfg("experiment=quick", f"privacy.noise_multiplier={sigma}",
-                                f"privacy.target_epsilon={target!r}", f"privacy.target_delta={DELTA}"))
-    assert result.steps == 8 and result.sample_rate == q and result.noise_multiplier == sigma
-    assert result.epsilon <= target
-    assert result.epsilon == pytest.approx(eps8, rel=REL)
-    client = MlflowClient(tracking_uri=mlflow_uri)
-    assert client.get_run(result.run_id).data.metrics["steps"] == 8
-    logged = client.get_metric_history(result.run_id, "epsilon")
-    assert logged and all(m.value <= target for m in logged) and max(m.step for m in logged) == 8
