@@ -309,7 +309,7 @@ def test_a_fixed_batch_norm_normalises_each_example_alone_and_keeps_its_informat
 
 def test_a_fixed_batch_norm_left_with_one_value_per_group_is_refused_in_one_line():
     """BatchNorm2d(4) on 1x1 maps: its GroupNorm(4, 4) would zero every value; the pre-run check names it and the fix."""
-    from workbench.data_checks import check_fit
+    from workbench.data.checks import check_fit
 
     model, _ = prepare_model(nn.Sequential(nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 3)), private=True)
     data = torch.utils.data.TensorDataset(torch.randn(16, 4, 1, 1), torch.randint(0, 3, (16,)))

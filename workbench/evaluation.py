@@ -9,9 +9,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from workbench.data import Batch, as_batch
+from workbench.data.batches import Batch, as_batch
 from workbench.distributed import Dist, pad_concat
-from workbench.losses import logits_of
+from workbench.models.losses import logits_of
 
 
 class Evaluator:

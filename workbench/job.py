@@ -19,9 +19,12 @@ from omegaconf import DictConfig
 from torch import nn
 
 from workbench import callbacks as callbacks_
-from workbench import checkpoint, config, data, data_checks, distributed, hf
+from workbench import checkpoint, config, distributed
+from workbench.data import loaders
+from workbench.data.checks import check_fit
 from workbench.errors import WorkbenchError
-from workbench.models import prepare_model
+from workbench.models import hf
+from workbench.models.fixing import prepare_model
 from workbench.privacy import mechanism, sampling
 from workbench.privacy.mechanism import Mechanism
 from workbench.step import CHECK_EXAMPLES, GradientStep
@@ -105,7 +108,7 @@ def planned_mechanism(cfg: DictConfig) -> dict[str, Any]:
     launcher asks for. Raises WorkbenchError when the run would be refused."""
     world_size = planned_world_size(cfg)
     _, train_set, _ = training_sets(cfg)
-    return mechanism_of(cfg, data.check_dataset(train_set, "training"), 0, world_size).event_fields()
+    return mechanism_of(cfg, loaders.check_dataset(train_set, "training"), 0, world_size).event_fields()
 
 
 def mechanism_of(cfg: DictConfig, dataset_size: int, rank: int, world_size: int) -> Mechanism:
@@ -128,9 +131,9 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
     eval_set = _instantiate(config.own_arguments(cfg, "data.eval"), "data.eval") if cfg.data.get("eval") is not None else None
     collator = _instantiate(config.own_arguments(cfg, "data.collator"), "data.collator") \
         if cfg.data.get("collator") is not None else None
-    n = data.check_dataset(train_set, "training")
+    n = loaders.check_dataset(train_set, "training")
     if eval_set is not None:
-        data.check_dataset(eval_set, "eval")
+        loaders.check_dataset(eval_set, "eval")
     shard = sampling.train_shard(n, d.rank, d.world_size, cfg.ddp_shard, cfg.per_device_train_batch_size)
     if shard.dropped:
         warnings.warn(f"ddp_shard=per_rank drops {shard.dropped} of {n} training examples so that "
@@ -155,8 +158,8 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
     metrics_fn = compute_metrics or _compute_metrics(cfg.compute_metrics)
     for split, dataset in (("train", user_train_set), ("eval", eval_set)):  # the user's data, before any canaries
         if dataset is not None:
-            data_checks.check_fit(dataset, f"data.{split} ({cfg.data[split].get('_target_', 'no _target_')})", model,
-                                  criterion, d.device, collator)
+            check_fit(dataset, f"data.{split} ({cfg.data[split].get('_target_', 'no _target_')})", model, criterion,
+                      d.device, collator)
 
     p = cfg.privacy
     plan = mechanism.plan(p, shard, cfg.ddp_shard, d.world_size, total_steps)
@@ -169,7 +172,7 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
                            max_physical_batch_size=cfg.max_physical_batch_size, autocast_dtype=autocast_dtype,
                            loss_scale=cfg.fp16_loss_scale if cfg.fp16 else None)
     # The same examples on every rank: a refusal is raised everywhere alike, before any run exists.
-    step_fn.check(data.first_examples(train_set, CHECK_EXAMPLES, collator))
+    step_fn.check(loaders.first_examples(train_set, CHECK_EXAMPLES, collator))
     optimizer = make_optimizer(step_fn.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_scheduler_type, cfg.warmup_steps,
                                                                        plan.steps))
@@ -205,10 +208,10 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
         named = canaries.named_parameters(model)
     eval_loader = None
     if eval_set is not None:
-        eval_loader = data.eval_loader(eval_set, data.eval_shard(len(eval_set), d.rank, d.world_size), cfg, d.device,
-                                       collator)
+        eval_loader = loaders.eval_loader(eval_set, loaders.eval_shard(len(eval_set), d.rank, d.world_size), cfg,
+                                          d.device, collator)
     return Job(model=model, criterion=criterion, mechanism=plan, step_fn=step_fn, optimizer=optimizer,
-               scheduler=scheduler, loader=data.train_loader(train_set, sampler, cfg, d.device, collator),
+               scheduler=scheduler, loader=loaders.train_loader(train_set, sampler, cfg, d.device, collator),
                eval_loader=eval_loader, metrics_fn=metrics_fn,
                callbacks=callbacks_.CallbackList(user_callbacks, model, named, plan.steps), collator=collator,
                autocast_dtype=autocast_dtype, secret=secret, digest=digest, start_step=start_step,

@@ -16,11 +16,13 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from workbench import checkpoint, config, data_checks, distributed, hf, privacy
+from workbench import checkpoint, config, distributed, privacy
+from workbench.data.checks import blame_example
 from workbench.errors import TrainingStopped, WorkbenchError
 from workbench.evaluation import Evaluator
 from workbench.interrupt import Interrupted, ignore_further, signals_interrupt
 from workbench.job import Job, build
+from workbench.models import hf
 from workbench.tracking.runs import git_sha
 from workbench.tracking.tracker import end_if_abandoned, make_tracker
 from workbench.tracking.uris import ui_command
@@ -174,8 +176,8 @@ def _blame_data(cfg: DictConfig, d: distributed.Dist, job: Job, step: int, error
     loader = job.loader
     name = f"data.train ({cfg.data.train.get('_target_', 'no _target_')})"
     try:
-        blamed = data_checks.blame_example(loader.dataset, loader.batch_sampler.indices_for_step(step), name,
-                                           job.model, job.criterion, d.device, job.collator)
+        blamed = blame_example(loader.dataset, loader.batch_sampler.indices_for_step(step), name,
+                               job.model, job.criterion, d.device, job.collator)
     except Exception:  # noqa: BLE001 - the search itself failed: the step's own error stands
         return
     if blamed is not None:

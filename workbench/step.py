@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from workbench.data import Batch, as_batch
+from workbench.data.batches import Batch, as_batch
 from workbench.distributed import Dist
 from workbench.errors import WorkbenchError
-from workbench.losses import logits_of
+from workbench.models.losses import logits_of
 from workbench.privacy import clipping
 from workbench.privacy.noise import GaussianNoise
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from workbench.data import first_examples
+from workbench.data.loaders import examples, first_examples
 from workbench.errors import WorkbenchError
 
 FIRST = 8  # examples run through the model and the criterion
@@ -91,16 +91,6 @@ def _refuse_lone_values(model: nn.Module) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
-
-
-def examples(dataset: Any, indices: list[int], collator: Callable | None = None):
-    """These examples of the dataset, collated as the training loader collates them."""
-    from torch.utils.data import DataLoader
-
-    from workbench.data import collate
-
-    return next(iter(DataLoader(dataset, batch_sampler=[list(indices)],
-                                collate_fn=functools.partial(collate, collator=collator))))
 
 
 def blame_example(dataset: Any, indices: list[int], name: str, model: nn.Module, criterion: Callable,
