@@ -217,7 +217,7 @@ def test_models_dp_cannot_handle_are_refused_with_a_fix():
 def test_fixed_transformer_and_lstm_keep_their_function_and_clip_exactly():
     x = torch.rand(9, 64)
     y = torch.randint(0, 10, (9,))
-    for cls, expect in ((TransformerClassifier, "MultiheadAttention -> DPMultiheadAttention (weights carried)"),
+    for cls, expect in ((TransformerClassifier, "MultiheadAttention -> PerExampleMultiheadAttention (weights carried)"),
                         (LSTMClassifier, "LSTM -> DPLSTM (weights carried)")):
         torch.manual_seed(0)
         original = cls().eval()
@@ -337,10 +337,10 @@ def test_bf16_transformer_trains_with_dp_and_records_the_replacement(make_cfg, m
     result = train(make_cfg("data=digits", "model._target_=workbench.models.TransformerClassifier", "bf16=true",
                             "max_steps=30", "per_device_train_batch_size=128", "learning_rate=0.5",
                             "privacy.target_epsilon=8", "privacy.secure_seed=1"))  # pinned: one deterministic run
-    assert "privacy.fix_model: encoder.layers.0.self_attn: MultiheadAttention -> DPMultiheadAttention" in \
+    assert "privacy.fix_model: encoder.layers.0.self_attn: MultiheadAttention -> PerExampleMultiheadAttention" in \
         capsys.readouterr().out
     tags = MlflowClient(tracking_uri=mlflow_uri).get_run(result.run_id).data.tags
-    assert "MultiheadAttention -> DPMultiheadAttention" in tags["fixed_modules"]
+    assert "MultiheadAttention -> PerExampleMultiheadAttention" in tags["fixed_modules"]
     assert result.epsilon <= 8 and result.metrics["eval_accuracy"] > 0.3  # 10 classes; learning, if slowly
 
 

@@ -27,7 +27,7 @@ from workbench.errors import WorkbenchError
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
-GRAD_SAMPLE_MODES = ("auto", "bk", "hooks", "functorch", "ew")  # Opacus' ghost: refused (clipping/opacus_modes.py)
+GRAD_SAMPLE_MODES = ("auto", "bk", "hooks", "functorch", "ew", "vmap")  # Opacus' ghost: refused (clipping/opacus_modes.py)
 SHARD_MODES = ("per_rank", "global")
 
 # Accelerate knobs that change how batches are formed. Poisson sampling decides every batch itself, so each would

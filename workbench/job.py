@@ -173,6 +173,8 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
                            loss_scale=cfg.fp16_loss_scale if cfg.fp16 else None)
     # The same examples on every rank: a refusal is raised everywhere alike, before any run exists.
     step_fn.check(loaders.first_examples(train_set, CHECK_EXAMPLES, collator))
+    if d.is_main and step_fn.mode_note:  # which mode auto picked, and why faster ones were skipped
+        print(step_fn.mode_note, flush=True)
     optimizer = make_optimizer(step_fn.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_scheduler_type, cfg.warmup_steps,
                                                                        plan.steps))

@@ -108,6 +108,8 @@ def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | 
         job = build(cfg, d, compute_metrics, callbacks or [])
         tags = {"backend": d.backend, "ddp_shard": cfg.ddp_shard, "world_size": d.world_size, "git_sha": git_sha(),
                 "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags}
+        if job.mechanism.private:
+            tags["grad_sample_mode"] = job.step_fn.mode  # what auto picked (its reason: the console's line)
         if job.fixed_modules:
             tags["fixed_modules"] = "; ".join(job.fixed_modules)
         tracker.start({**tags, "status": "running"}, run_id=job.resume_run_id or cfg.tracking.run_id,

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from workbench.data.batches import Batch, as_batch
+from workbench import model_checks
 from workbench.distributed import Dist
 from workbench.errors import WorkbenchError
 from workbench.models.losses import logits_of
@@ -59,11 +60,13 @@ class GradientStep:
         if len({p.dtype for p in self.params}) > 1:
             raise WorkbenchError(f"the model's trainable parameters mix dtypes {sorted({str(p.dtype) for p in self.params})}; "
                                  "one flat gradient buffer needs one")
-        if self.private and self.mode == "auto":
-            self.mode = clipping.fastest_grad_sample_mode(model)
-        self.clipper = clipping.make(model, self.params, max_grad_norm=max_grad_norm, mode=self.mode)
-        self.clipper.max_batch = max_physical_batch_size
-        self.module = self.clipper.module
+        self.model = model
+        # auto: the fastest mode whose pre-run check passes (check() moves down this list); mode_note says which
+        self.candidates = clipping.candidate_modes(model, autocast_dtype is not None) \
+            if self.private and self.mode == "auto" else []
+        self.skipped: list[tuple[str, str, str | None]] = []  # (mode, why auto skipped it, the module to blame)
+        self.mode_note = ""
+        self._make(self.candidates[0] if self.candidates else self.mode)
         if self.private and autocast_dtype is not None and self.mode == "ew":
             raise WorkbenchError(f"grad_sample_mode={self.mode} cannot run in mixed precision: its clipped sum is not "
                                  "computed from the per-sample gradients its norms were; use bk or hooks")
@@ -84,6 +87,44 @@ class GradientStep:
         self.noise = GaussianNoise(noise_multiplier, max_grad_norm, numel, dist.rank, device, noise_seed) \
             if self.private else None
 
+    def _make(self, mode: str) -> None:
+        old = getattr(self, "clipper", None)
+        if old is not None and old.module is not self.model and hasattr(old.module, "_close"):
+            old.module._close()  # an Opacus wrapper skipped by auto: its hooks must not stay on the model
+        self.mode = mode
+        self.clipper = clipping.make(self.model, self.params, max_grad_norm=self.clip, mode=mode)
+        self.clipper.max_batch = self.max_physical_batch_size
+        self.module = self.clipper.module
+
+    def _check(self, batch: Batch) -> None:
+        """The strategy's pre-run check. With auto, a mode that fails it is skipped for the next (the reason kept for
+        mode_note); any other refusal names the module to blame when one can be found (workbench/model_checks.py)."""
+        while True:
+            try:
+                self.clipper.check(batch, self._precise_losses)
+                break
+            except WorkbenchError as e:
+                if not self.private or not str(e).startswith(f"grad_sample_mode={self.mode}"):
+                    raise  # not the mode's (the criterion, the model's own forward): no other mode helps
+                why = model_checks.explain_not_own(self.model, lambda b: b.forward(self.model), batch)
+                later = self.candidates[self.candidates.index(self.mode) + 1:] if self.mode in self.candidates else []
+                if not later and self.candidates:  # auto: the module to blame, found by any mode's failure
+                    why = why or next((w for _, w, found in self.skipped if found), None)
+                    raise WorkbenchError(f"grad_sample_mode=auto found no mode that clips this model exactly: {why}"
+                                         if why else str(e)) from e
+                if not later:  # the generic verdict replaced by the module to blame, when one was found
+                    raise WorkbenchError(f"grad_sample_mode={self.mode}: {why}" if why and "is not its own" in str(e)
+                                         else str(e)) from e
+                reason = (why or str(e).removeprefix(f"grad_sample_mode={self.mode}").lstrip(" :")).split(";")[0]
+                self.skipped.append((self.mode, reason[:200], why))
+                self._make(later[0])
+        if self.candidates:
+            said: dict[str, list[str]] = {}  # one reason, every mode it ruled out
+            for mode, reason, _ in self.skipped:
+                said.setdefault(reason, []).append(mode)
+            skipped = "; ".join(f"{', '.join(modes)} skipped: {reason}" for reason, modes in said.items())
+            self.mode_note = f"grad_sample_mode=auto: {self.mode}" + (f" ({skipped})" if skipped else "")
+
     @property
     def noise_seed(self) -> int:
         return self.noise.seed if self.noise is not None else 0
@@ -98,7 +139,7 @@ class GradientStep:
         """Before any training, on a real batch: the criterion gives one loss per example, and the strategy's
         assumptions about the model hold (book-keeping's cannot all be read off the layers). Run in the parameters'
         precision: the checks compare against autograd there."""
-        self.clipper.check(self._to_device(batch), self._precise_losses)
+        self._check(self._to_device(batch))
 
     def _forward(self, module: nn.Module, batch: Batch) -> Any:
         # Opacus' ew wrapper reads the batch size off a positional input (the pre-run check also calls the bare model)
@@ -155,7 +196,7 @@ class GradientStep:
             for micro_batch in self._micro_batches(self._to_device(batch)):
                 if getattr(self.clipper, "checked", True) is False:  # normally check() ran before training
                     # on a few examples, as run.py does: the check is one autograd call per example
-                    self.clipper.check(micro_batch.slice(0, CHECK_EXAMPLES), self._precise_losses)
+                    self._check(micro_batch.slice(0, CHECK_EXAMPLES))
                 losses = self.clipper.accumulate(micro_batch, self._losses, self.view_of)
                 self.loss_sum.add_(losses.sum() if scale == 1.0 else losses.sum() / scale)
                 self.count.add_(len(losses))

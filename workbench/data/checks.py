@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from workbench import model_checks
 from workbench.data.loaders import examples, first_examples
 from workbench.errors import WorkbenchError
 
@@ -52,10 +53,7 @@ def check_fit(dataset: Any, name: str, model: nn.Module, criterion: Callable, de
     try:
         with torch.no_grad(), warnings.catch_warnings(), _refuse_lone_values(model):
             warnings.simplefilter("ignore")  # e.g. MSELoss's broadcasting warning: the refusal says it in one line
-            out = _first_failure(lambda i, j: model(x[i:j]), len(x), at, name, "does not fit the model",
-                                 f"make the model take inputs of shape {tuple(x.shape[1:])} per example "
-                                 f"(a width of {x.shape[-1]}: e.g. model.in_features={x.shape[-1]})" if x.dim() == 2
-                                 else f"make the model take inputs of shape {tuple(x.shape[1:])} per example")
+            out = _model_output(model, x, at, name)
             if isinstance(criterion, CLASS_CRITERIA) and torch.is_tensor(out) and out.dim() == 2 and y.dim() == 1:
                 _check_class_labels(scanned[1], out.shape[1], name, getattr(criterion, "ignore_index", None), at)
             shapes = (f"labels {str(y.dtype).replace('torch.', '')} of shape {tuple(y.shape[1:])} per example, model "
@@ -106,6 +104,30 @@ def blame_example(dataset: Any, indices: list[int], name: str, model: nn.Module,
             reason = " ".join(str(e).split())[:300] or type(e).__name__
             return f"{name}: example {i} cannot be read ({type(e).__name__}: {reason}); repair or drop it"
     return None
+
+
+def _model_output(model: nn.Module, x: torch.Tensor, at: Callable[[int], int], name: str) -> torch.Tensor:
+    """The model's output on the batch x, read as a criterion reads it; else one line that blames what failed: the data
+    (the first layer that reads it cannot take its shape), a layer deeper in the model, the model's own error, a
+    model that fails only on batches, or an output without one row per example (workbench/model_checks.py)."""
+    out, failed = model_checks.forward(model, lambda: model(x))
+    if failed is None:
+        return model_checks.output_tensor(out, len(x), model, lambda: model(x))
+    alone = ((i, model_checks.forward(model, lambda i=i: model(x[i:i + 1]))[1]) for i in range(len(x)))
+    first, failed = next(((i, f) for i, f in alone if f is not None), (None, failed))
+    if first is None:
+        raise WorkbenchError(f"{name}: {model_checks.batch_only_error(failed, len(x))}")
+    shape = tuple(x.shape[1:])
+    reads_data = failed.name == "" or any(t.data_ptr() == x[first:first + 1].data_ptr() for t in failed.inputs)
+    if not failed.is_shape_error():
+        raise WorkbenchError(f"{name}: {model_checks.model_error(failed, shape, name)}")
+    if not reads_data:
+        raise WorkbenchError(f"{name}: {model_checks.inner_shape_error(failed, shape, name)}")
+    where = f" (in {failed.where})" if failed.name else ""
+    fix = (f"make the model take inputs of shape {shape} per example"
+           + (f" (a width of {x.shape[-1]}: e.g. model.in_features={x.shape[-1]})" if x.dim() == 2 else ""))
+    raise WorkbenchError(f"{name}: example {at(first)} does not fit the model: "
+                         f"{' '.join(str(failed.error).split())[:300] or type(failed.error).__name__}{where}; {fix}")
 
 
 def _first_failure(run: Callable[[int, int], Any], n: int, at: Callable[[int], int], name: str, what: str,

@@ -16,7 +16,8 @@ def prepare_model(model: nn.Module, private: bool, fix: bool = True) -> tuple[nn
     """The model DP-SGD will train, and what was replaced to get it.
 
     Layers whose per-sample gradients Opacus cannot compute are swapped for their DP equivalents when ``fix``
-    (Opacus' ``ModuleValidator.fix``: MultiheadAttention -> DPMultiheadAttention, LSTM/GRU/RNN -> DPLSTM/DPGRU/DPRNN
+    (nn.MultiheadAttention -> :class:`workbench.models.attention.PerExampleMultiheadAttention`, the same function from
+    nn.Linear layers; then Opacus' ``ModuleValidator.fix``: LSTM/GRU/RNN -> DPLSTM/DPGRU/DPRNN
     with their weights, BatchNorm -> a per-example GroupNorm (:func:`per_example_norm`), freshly initialised since no
     weights make them equal); without ``fix``,
     or when a layer has no replacement, the model is refused in one line.
@@ -25,15 +26,18 @@ def prepare_model(model: nn.Module, private: bool, fix: bool = True) -> tuple[nn
         raise WorkbenchError("torch.nn.DataParallel is refused: use launcher=local (one process per device) instead")
     if not private:
         return model, []
+    from workbench.models import attention
     from workbench.privacy.clipping import book_keeping
 
+    swapped = attention.replace(model) if fix else []  # nn.MultiheadAttention: the same function from nn.Linears
     layers = book_keeping.trainable_layers(model)
     if layers and book_keeping.refusal(layers) is None:
-        return model, []  # bk has a rule for every trainable layer; each mode's pre-run check refuses what mixes examples
+        return model, swapped  # bk has a rule for every trainable layer; each mode's pre-run check refuses what mixes
     was_training = model.training
     model.train()  # the mode it trains in (Opacus refuses a model in eval mode); handed back as it came
     try:
-        return _fix(model, fix)
+        model, fixed = _fix(model, fix)
+        return model, swapped + fixed
     finally:
         model.train(was_training)
 
@@ -58,6 +62,11 @@ def _fix(model: nn.Module, fix: bool) -> tuple[nn.Module, list[str]]:
         if not errors:
             return model, notes
     if errors:
+        from workbench.model_checks import batch_norm_refusal
+
+        mixing = batch_norm_refusal(model)
+        if mixing:
+            raise WorkbenchError(mixing)
         first = str(errors[0]).splitlines()[0]
         hint = " (privacy.fix_model=true replaces it with a DP equivalent)" if not fix else ""
         raise WorkbenchError(f"the model has {len(errors)} layer(s) DP-SGD cannot handle: {first}{hint}")

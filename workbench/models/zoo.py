@@ -79,7 +79,7 @@ class ResNet(nn.Module):
 
 class TransformerClassifier(nn.Module):
     """A small ``nn.TransformerEncoder`` over a (B, tokens * features) input read as a sequence (digits: 8 rows of 8
-    pixels). Its nn.MultiheadAttention is swapped for Opacus' DPMultiheadAttention by ``privacy.fix_model``."""
+    pixels). ``privacy.fix_model`` swaps its nn.MultiheadAttention for workbench.models.attention.PerExampleMultiheadAttention."""
 
     def __init__(self, tokens: int = 8, features: int = 8, width: int = 32, heads: int = 2, layers: int = 1,
                  num_classes: int = 10):

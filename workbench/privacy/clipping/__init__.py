@@ -2,6 +2,7 @@
 
 - ``book_keeping`` (``bk``): one backward, closed-form per-sample norms, the clipped sum as one matmul per layer;
 - ``opacus_modes``: Opacus' ``hooks``, ``functorch``, ``ew`` (materialised per-sample gradients; ``ghost`` refused);
+- ``whole_model``: ``vmap``, per-example gradients of the whole model by torch.func (any model vmap can batch);
 - ``bound``: the floating-point bound every private route honours (each example's contribution <= C (1 + RHO));
 - ``nonprivate``: the non-private twin (plain summed gradients through the same buffer).
 
@@ -16,7 +17,7 @@ from workbench.privacy.clipping import book_keeping
 from workbench.privacy.clipping.base import LossFn
 from workbench.errors import WorkbenchError
 
-__all__ = ["LossFn", "fastest_grad_sample_mode", "make"]
+__all__ = ["LossFn", "candidate_modes", "fastest_grad_sample_mode", "make"]
 
 # Layers torch's expanded weights (grad_sample_mode=ew) computes per-sample gradients for.
 _EW_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.GroupNorm, nn.LayerNorm,
@@ -35,6 +36,17 @@ def fastest_grad_sample_mode(model: nn.Module) -> str:
     return "hooks"
 
 
+def candidate_modes(model: nn.Module, mixed_precision: bool = False) -> list[str]:
+    """What grad_sample_mode=auto tries, fastest first: the modes whose layer-level conditions hold, then ``vmap``
+    (per-example gradients of the whole model by torch.func, :mod:`workbench.privacy.clipping.whole_model`), the
+    universal route. GradientStep takes the first whose pre-run check passes on real examples."""
+    first = fastest_grad_sample_mode(model)
+    modes = ["bk", "ew", "hooks"][["bk", "ew", "hooks"].index(first):]
+    if mixed_precision:  # ew's clipped sum cannot run in mixed precision (GradientStep refuses it)
+        modes = [m for m in modes if m != "ew"]
+    return [*modes, "vmap"]
+
+
 def make(model: nn.Module, params: list[nn.Parameter], *, max_grad_norm: float | None, mode: str):
     """The strategy for ``mode`` (not ``auto``: see :func:`fastest_grad_sample_mode`); ``max_grad_norm=None`` gives
     the non-private twin."""
@@ -44,6 +56,10 @@ def make(model: nn.Module, params: list[nn.Parameter], *, max_grad_norm: float |
         return Summed(model, params)
     if mode == "bk":
         return book_keeping.BookKeeping(model, max_grad_norm)
+    if mode == "vmap":
+        from workbench.privacy.clipping.whole_model import WholeModel
+
+        return WholeModel(model, params, max_grad_norm)
     from workbench.privacy.clipping import opacus_modes
 
     if mode == "ghost":

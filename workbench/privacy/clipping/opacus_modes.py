@@ -31,6 +31,25 @@ class _Checked(Strategy):
     mode: str
     checked = False  # GradientStep checks the first micro-batch itself when check() did not run before training
 
+    @property
+    def plain(self) -> nn.Module:
+        """The user's model, without the mode's wrapper: the check's reference gradients come from it."""
+        return self.module._module
+
+    def _backward(self, batch, loss_fn: LossFn, checking: bool = True) -> torch.Tensor:
+        """The forward and backward that leave each parameter's per-sample gradients in ``p.grad_sample``
+        (``checking``: a failure of the mode is refused in one line; in training it is the step's error)."""
+        try:
+            losses = loss_fn(self.module, batch)
+            losses.sum().backward()
+        except RuntimeError as e:  # e.g. expanded weights meeting a weight used outside its layer, or an input
+            # without a batch dimension (position ids shared by the batch)
+            if not checking:
+                raise
+            raise WorkbenchError(f"grad_sample_mode={self.mode} cannot compute this model's per-sample "
+                                 f"gradients: {str(e).splitlines()[0]}") from e
+        return losses
+
     def _rows(self, n: int) -> dict[int, torch.Tensor]:
         """Per parameter id, what the mode computed per example after a backward of the summed losses."""
         raise NotImplementedError
@@ -46,24 +65,20 @@ class _Checked(Strategy):
                 if hooks:
                     self.module.disable_hooks()
                 try:
-                    losses = loss_fn(self.module._module, batch)
+                    losses = loss_fn(self.plain, batch)
                     own = [torch.autograd.grad(losses[k], self.params, retain_graph=True, allow_unused=True)
                            for k in range(len(losses))]
                 finally:
                     if hooks:
                         self.module.enable_hooks()
                 torch.manual_seed(seed)
-                try:
-                    loss_fn(self.module, batch).sum().backward()
-                except RuntimeError as e:  # e.g. expanded weights meeting a weight used outside its layer
-                    raise WorkbenchError(f"grad_sample_mode={self.mode} cannot compute this model's per-sample "
-                                         f"gradients: {str(e).splitlines()[0]}") from e
+                self._backward(batch, loss_fn)
             rows = self._rows(len(own))
         finally:
             self.module.train(was_training)
             for p in self.params:
                 p.grad_sample = p.grad = None
-        names = {id(p): n for n, p in self.module._module.named_parameters()}
+        names = {id(p): n for n, p in self.plain.named_parameters()}
         for p in self.params:  # Opacus sums, without a word, over a batch its layer's input does not have
             if id(p) in rows and len(rows[id(p)]) != len(own):
                 raise WorkbenchError(
@@ -104,9 +119,8 @@ class PerSampleGradients(_Checked):
         return {id(p): p.grad_sample for p in self.params if p.grad_sample is not None}
 
     def accumulate(self, batch, loss_fn: LossFn, view_of: dict[int, torch.Tensor]) -> torch.Tensor:
-        losses = loss_fn(self.module, batch)
+        losses = self._backward(batch, loss_fn, checking=False)
         n = len(losses)
-        losses.sum().backward()
         # None: a parameter unused in this forward; its clipped gradient is zero. Norms, factors and the sum from
         # the very per-sample gradients summed (float32, whatever precision the backward ran in): clip what you sum.
         flat_samples = [(view_of[id(p)], p.grad_sample.reshape(n, -1).to(torch.promote_types(view_of[id(p)].dtype,

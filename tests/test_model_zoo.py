@@ -1,0 +1,183 @@
+"""Models as tutorials write them, with parameters used outside a layer and broadcast over the batch (learned
+positions looked up with ids shared by the batch, cls tokens, position tables, layer-scale gammas, ReZero alphas):
+every example's clipped gradient is its own, against the float64 per-example loop; ``auto`` picks the fastest mode
+whose pre-run check passes and says why the faster ones were skipped."""
+
+import pytest
+import torch
+from torch import nn
+
+from tests.oracle import CLIPPED_RTOL
+from workbench.distributed import setup
+from workbench.errors import WorkbenchError
+from workbench.step import GradientStep
+
+CLIP = 0.3
+
+
+class SharedPositions(nn.Module):
+    """GPT-2 style: positions looked up with torch.arange(T), the same ids for every example."""
+
+    def __init__(self, t=6, d=8):
+        super().__init__()
+        self.t = t
+        self.fc, self.pos, self.head = nn.Linear(4, d), nn.Embedding(t, d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = self.fc(x.view(len(x), self.t, 4)) + self.pos(torch.arange(self.t, device=x.device))
+        return self.head(torch.tanh(h).mean(1))
+
+
+class TinyViT(nn.Module):
+    """Patch conv, a cls token and a position table as raw parameters, one LayerNorm, a head on the cls token."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.patch = nn.Conv2d(1, d, 2, stride=2)
+        self.cls = nn.Parameter(torch.randn(1, 1, d) * 0.5)
+        self.pos = nn.Parameter(torch.randn(1, 5, d) * 0.5)
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        p = self.patch(x.view(len(x), 1, 4, 4)).flatten(2).transpose(1, 2)  # (B, 4, d)
+        h = torch.cat([self.cls.expand(len(x), -1, -1), p], 1) + self.pos
+        h = self.norm(h + torch.tanh(h).mean(1, keepdim=True))
+        return self.head(h[:, 0])
+
+
+class LayerScaleReZero(nn.Module):
+    """A layer-scale gamma (a vector) and a ReZero alpha (a scalar), each multiplying a residual branch."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.inp, self.mlp, self.head = nn.Linear(16, d), nn.Linear(d, d), nn.Linear(d, 3)
+        self.gamma = nn.Parameter(torch.full((d,), 0.5))
+        self.alpha = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x):
+        h = self.inp(x.view(len(x), -1))
+        h = h + self.gamma * torch.tanh(self.mlp(h))
+        h = h + self.alpha * torch.sin(h)
+        return self.head(h)
+
+
+class WithDropout(SharedPositions):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        return super().forward(self.drop(x))
+
+
+MODELS = {"shared_positions": SharedPositions, "vit": TinyViT, "layer_scale_rezero": LayerScaleReZero}
+
+
+def _clipped_sum_loop(make, x, y, clip):
+    """The definition in float64: each example's own gradient, clipped to C, summed."""
+    model = make().double()
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    for i in range(len(y)):
+        loss = nn.functional.cross_entropy(model(x[i:i + 1].double()), y[i:i + 1])
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        norm = float(torch.sqrt(sum(g.pow(2).sum() for g in grads)))
+        for t, g in zip(total, grads):
+            t += min(1.0, clip / (norm + 1e-6)) * g
+    return total
+
+
+def _made(cls):
+    def make():
+        torch.manual_seed(0)
+        return cls()
+    return make
+
+
+def _step(model, mode, physical=5):
+    return GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=CLIP,
+                        noise_multiplier=0.0, grad_sample_mode=mode, max_physical_batch_size=physical)
+
+
+def _data(n=11):
+    torch.manual_seed(1)
+    return torch.randn(n, 24) * 2, torch.randint(0, 3, (n,))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("mode", ["auto", "vmap"])
+def test_broadcast_parameters_get_each_examples_own_clipped_gradient(name, mode):
+    make = _made(MODELS[name])
+    x, y = _data()
+    if name != "shared_positions":
+        x = x[:, :16]
+    step = _step(make(), mode)
+    step.check((x[:8], y[:8]))
+    step((x, y), step=0)  # 11 examples in micro-batches of 5: 5, 5, 1
+    expected = _clipped_sum_loop(make, x, y, CLIP)
+    for p, e in zip(step.params, expected):
+        torch.testing.assert_close(p.grad.double(), e, rtol=CLIPPED_RTOL, atol=1e-7)
+
+
+def test_auto_picks_the_fastest_mode_whose_check_passes_and_says_why_faster_ones_were_skipped():
+    step = _step(SharedPositions(), "auto")
+    assert step.mode == "bk"  # what the layers allow: bk has a rule for each
+    x, y = _data(8)
+    step.check((x, y))
+    assert step.mode == "vmap"
+    note = step.mode_note
+    assert note.startswith("grad_sample_mode=auto: vmap (bk, ew, hooks skipped: model.pos (Embedding) is called on "
+                           "an input of shape (6,) that has no batch dimension") and "\n" not in note
+    plain = _step(nn.Sequential(nn.Linear(24, 3)), "auto")
+    plain.check((x, y))
+    assert plain.mode == "bk" and plain.mode_note == "grad_sample_mode=auto: bk"
+
+
+def test_auto_falls_back_on_the_first_step_when_no_check_ran_before_training():
+    make = _made(SharedPositions)
+    x, y = _data()
+    step = _step(make(), "auto")
+    step((x, y), step=0)
+    assert step.mode == "vmap"
+    for p, e in zip(step.params, _clipped_sum_loop(make, x, y, CLIP)):
+        torch.testing.assert_close(p.grad.double(), e, rtol=CLIPPED_RTOL, atol=1e-7)
+
+
+def test_vmap_draws_dropout_per_example_and_its_check_passes():
+    step = _step(WithDropout(), "vmap")
+    x, y = _data(8)
+    step.check((x, y))
+    torch.manual_seed(0)
+    step((x, y), step=0)
+    with_dropout = torch.cat([p.grad.flatten() for p in step.params]).clone()
+    step.model.drop.p = 0.0
+    step((x, y), step=0)
+    assert not torch.allclose(with_dropout, torch.cat([p.grad.flatten() for p in step.params]))
+
+
+def test_vmap_contributions_never_exceed_the_bound():
+    """Each example's contribution as summed has norm <= C (1 + 2^-20): one example per step, huge gradients."""
+    from workbench.privacy.clipping.bound import RHO
+
+    torch.manual_seed(0)
+    model = TinyViT()
+    step = _step(model, "vmap")
+    x, y = _data(6)
+    for i in range(6):
+        step((x[i:i + 1, :16] * 1e4, y[i:i + 1]), step=0)
+        norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in step.params))
+        assert float(norm) <= CLIP * (1 + RHO)
+
+
+def test_a_model_no_mode_can_clip_is_refused_by_auto_with_the_module_to_blame():
+    class Center(nn.Module):
+        def forward(self, x):
+            return x - x.mean(0, keepdim=True)
+
+    model = nn.Sequential(nn.Linear(24, 8), Center(), nn.Linear(8, 3))
+    step = _step(model, "auto")
+    x, y = _data(8)
+    with pytest.raises(WorkbenchError, match=r"^grad_sample_mode=auto found no mode that clips this model exactly: the model mixes "
+                                          r"examples in model\.1 \(Center\)"):
+        step.check((x, y))
