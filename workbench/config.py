@@ -78,6 +78,13 @@ class TrackingConfig:
     # (upload it later with `python -m workbench.tracking sync <output_dir>`).
     flush_timeout: float = 30.0
     tags: Dict[str, str] = field(default_factory=dict)
+    # The trained model as an MLflow model of the run (mlflow.pytorch), with the privacy budget as its metadata and tags;
+    # register_model=NAME also registers it as a new version of NAME (the budget as version tags).
+    log_model: bool = True
+    register_model: Optional[str] = None
+    # MLflow's system metrics (CPU, memory, disk, network; GPU when present), sampled every so many seconds on rank 0
+    # off the training thread; 0 turns them off.
+    system_metrics_interval: float = 10.0
     # Set by launchers and sweeps, rarely by hand: continue this MLflow run; the multirun folder (-> parent run).
     run_id: Optional[str] = None
     sweep_dir: Optional[str] = None
@@ -238,6 +245,7 @@ RANGES = {
     "launcher.tasks_per_node": Range(1), "launcher.cpus_per_task": Range(1), "launcher.mem_gb": Range(0, low_open=True),
     "launcher.timeout_min": Range(1), "launcher.max_num_timeout": Range(0),
     "tracking.flush_timeout": Range(0),  # seconds; nan would wait forever, inf crashes the wait
+    "tracking.system_metrics_interval": Range(0),  # seconds; 0: off
 }
 
 
@@ -345,6 +353,20 @@ def validate(cfg: DictConfig) -> None:
         raise WorkbenchError("bf16=true and fp16=true: choose one precision")
     if cfg.launcher.name not in ("inline", "local", "slurm"):
         raise WorkbenchError(f"launcher.name={cfg.launcher.name!r} is unknown; choose one of inline, local, slurm")
+    _check_model_name(cfg.tracking)
+
+
+def _check_model_name(t: DictConfig) -> None:
+    """tracking.register_model: a name the Model Registry takes (MLflow refuses these only once the model is logged)."""
+    name = t.register_model
+    if name is None:
+        return
+    name = str(name)
+    if not name.strip() or any(c in name for c in "/:%\\") or name.strip() in (".", ".."):
+        raise WorkbenchError(f"tracking.register_model={name!r} is not a registered model name: it must be non-empty "
+                             "and contain none of / : % \\")
+    if not t.log_model:
+        raise WorkbenchError("tracking.register_model needs tracking.log_model=true (it registers the logged model)")
 
 
 def record_choices(cfg: DictConfig, choices: Dict[str, Any]) -> None:
