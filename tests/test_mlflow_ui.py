@@ -2,7 +2,7 @@
 model training, MLflow's standard tags, the closing line as the run's note, the trained model as an MLflow model (loaded
 back, same predictions as the checkpoint) with the privacy budget on it and on its registered version, the data as run
 inputs from metadata only, system metrics sampled off the training process, and a sweep's parent spanning its points.
-The browser's view of the same store is tests/test_browser.py."""
+The browser test opens such a store in Chromium."""
 
 import json
 
