@@ -5,6 +5,7 @@ inputs from metadata only, system metrics sampled off the training process, and 
 The browser test opens such a store in Chromium."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -167,3 +168,16 @@ def test_a_sweep_parent_spans_its_points_and_ends_with_their_status(tmp_path):
         assert run.info.start_time <= min(c.info.start_time for c in children)
         assert run.info.end_time == max(c.info.end_time for c in children)
         assert run.data.tags["mlflow.note.content"].startswith("sweep of") and run.data.tags["mlflow.user"]
+
+
+def test_logging_a_model_in_this_process_leaves_its_tracking_uri_as_it_was(make_cfg, mlflow_uri, monkeypatch):
+    """A sweep's points run one after another in the driver's process: the model of the first must not move the
+    second's runs to ./mlflow.db (MLflow's own restore of the tracking URI drops $MLFLOW_TRACKING_URI)."""
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    before = mlflow.get_tracking_uri()
+    cfg = make_cfg("experiment=quick", "tracking.system_metrics_interval=0")
+    cfg.tracking.uri = None  # the job reads $MLFLOW_TRACKING_URI, as a sweep's points do
+    assert MlflowClient(mlflow_uri).get_run(train(cfg).run_id).outputs.model_outputs
+    assert os.environ["MLFLOW_TRACKING_URI"] == mlflow_uri and mlflow.get_tracking_uri() == before

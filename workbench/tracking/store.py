@@ -7,10 +7,12 @@ job leaves MLflow to its worker process (:mod:`workbench.tracking.worker`), whic
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -215,6 +217,24 @@ def send(client, run_id: str, op: tuple) -> None:
         raise ValueError(f"unknown tracking operation {kind!r}")
 
 
+@contextlib.contextmanager
+def _tracking_uri_as(uri: str):
+    """MLflow's model logging reads the process's tracking URI: `uri` for the duration, and then the process's own
+    back as it was, $MLFLOW_TRACKING_URI included (MLflow's own restore drops it: the next job of a sweep run in this
+    process would then track into ./mlflow.db)."""
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    try:
+        with _use_tracking_uri(uri):
+            yield
+    finally:
+        if env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = env
+
+
 def log_model(client, run_id: str, path: str, meta: dict) -> None:
     """The trained model (a pickled ``torch.nn.Module``, staged at `path`) as an MLflow model of the run, in the
     ``mlflow.pytorch`` flavour, with the run's privacy budget as its metadata and tags; registered as a new version of
@@ -222,7 +242,6 @@ def log_model(client, run_id: str, path: str, meta: dict) -> None:
     inferred from training data. A model that cannot be read or saved is recorded on the run
     (tag ``workbench.model_error``) and the run goes on; the store being away is raised (the outbox retries)."""
     import mlflow
-    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
     privacy = {k: v for k, v in meta.get("privacy", {}).items() if v is not None}
     tags = {f"workbench.{k}": str(v) for k, v in privacy.items()}
@@ -238,7 +257,7 @@ def log_model(client, run_id: str, path: str, meta: dict) -> None:
         source = {k: v for k, v in run.data.tags.items() if k.startswith(("mlflow.source.", "mlflow.user"))}
         made = _retry(lambda: client.create_logged_model(run.info.experiment_id, name=meta.get("name", "model"),
                                                          source_run_id=run_id, tags={**source, **tags}))
-        with _use_tracking_uri(client.tracking_uri):
+        with _tracking_uri_as(client.tracking_uri):
             info = mlflow.pytorch.log_model(
                 model, name=meta.get("name", "model"), model_id=made.model_id, run_id=run_id,
                 step=int(meta.get("step", 0)), metadata={"workbench": privacy},
@@ -259,7 +278,7 @@ def log_model(client, run_id: str, path: str, meta: dict) -> None:
     name = meta.get("register")
     if name:
         try:
-            with _use_tracking_uri(client.tracking_uri):
+            with _tracking_uri_as(client.tracking_uri):
                 version = mlflow.register_model(info.model_uri, name, tags=tags)
             _retry(lambda: client.set_tag(run_id, "workbench.registered_model", f"{name}/{version.version}"))
         except Exception as e:  # noqa: BLE001
