@@ -78,6 +78,9 @@ class TrackingConfig:
     # (upload it later with `python -m workbench.tracking sync <output_dir>`).
     flush_timeout: float = 30.0
     tags: Dict[str, str] = field(default_factory=dict)
+    log_model: bool = True  # the trained model as the run's MLflow model, the privacy budget as its tags
+    register_model: Optional[str] = None  # NAME: also a new version of registered model NAME (budget as version tags)
+    system_metrics_interval: float = 10.0  # seconds between MLflow's system-metrics samples on rank 0; 0: off
     # Set by launchers and sweeps, rarely by hand: continue this MLflow run; the multirun folder (-> parent run).
     run_id: Optional[str] = None
     sweep_dir: Optional[str] = None
@@ -237,7 +240,7 @@ RANGES = {
     "launcher.nprocs": Range(1), "launcher.nodes": Range(1), "launcher.gpus_per_node": Range(0),
     "launcher.tasks_per_node": Range(1), "launcher.cpus_per_task": Range(1), "launcher.mem_gb": Range(0, low_open=True),
     "launcher.timeout_min": Range(1), "launcher.max_num_timeout": Range(0),
-    "tracking.flush_timeout": Range(0),  # seconds; nan would wait forever, inf crashes the wait
+    "tracking.flush_timeout": Range(0), "tracking.system_metrics_interval": Range(0),  # seconds; nan, inf: no end
 }
 
 
@@ -345,6 +348,11 @@ def validate(cfg: DictConfig) -> None:
         raise WorkbenchError("bf16=true and fp16=true: choose one precision")
     if cfg.launcher.name not in ("inline", "local", "slurm"):
         raise WorkbenchError(f"launcher.name={cfg.launcher.name!r} is unknown; choose one of inline, local, slurm")
+    name = cfg.tracking.register_model  # a name the Model Registry takes (MLflow refuses others only at the end)
+    if name is not None and (not str(name).strip() or any(c in str(name) for c in "/:%\\") or str(name) == ".."):
+        raise WorkbenchError(f"tracking.register_model={name!r} is not a registered model name: none of / : % \\")
+    if name is not None and not cfg.tracking.log_model:
+        raise WorkbenchError("tracking.register_model needs tracking.log_model=true (it registers the logged model)")
 
 
 def record_choices(cfg: DictConfig, choices: Dict[str, Any]) -> None:

@@ -4,6 +4,7 @@ checkpoint -> summary. The CLI, the launchers and the notebook API all call :fun
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import logging
 import tempfile
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from workbench import checkpoint, config, distributed, privacy
@@ -23,7 +24,7 @@ from workbench.evaluation import Evaluator
 from workbench.interrupt import Interrupted, ignore_further, signals_interrupt
 from workbench.job import Job, build
 from workbench.models import hf
-from workbench.tracking.runs import git_sha
+from workbench.tracking.runs import NOTE_TAG, git_sha, source_tags
 from workbench.tracking.tracker import end_if_abandoned, make_tracker
 from workbench.tracking.uris import ui_command
 from workbench.trainer import History, LoopConfig, Trainer
@@ -106,8 +107,10 @@ def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | 
         config.check_writable(output_dir)
         _refuse_everywhere(d, lambda: checkpoint.check_folder(output_dir, cfg.resume_from_checkpoint))
         job = build(cfg, d, compute_metrics, callbacks or [])
-        tags = {"backend": d.backend, "ddp_shard": cfg.ddp_shard, "world_size": d.world_size, "git_sha": git_sha(),
-                "launcher": cfg.launcher.name, "private": cfg.privacy.enabled, **cfg.tracking.tags}
+        sha = git_sha()
+        tags = {"backend": d.backend, "ddp_shard": cfg.ddp_shard, "world_size": d.world_size, "git_sha": sha,
+                "launcher": cfg.launcher.name, "private": cfg.privacy.enabled,
+                **source_tags(cfg.launcher.name, sha), **cfg.tracking.tags}
         if job.mechanism.private:
             tags["grad_sample_mode"] = job.step_fn.mode  # what auto picked (its reason: the console's line)
         if job.fixed_modules:
@@ -116,6 +119,9 @@ def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | 
                       sweep_dir=cfg.tracking.sweep_dir)
         if job.mechanism.private:  # what a sweep composes, known even if the run fails before its summary
             tracker.set_tags({"workbench.dp_event": json.dumps(job.mechanism.event_fields())})
+        tracker.log_system_metrics(cfg.tracking.system_metrics_interval)
+        for info in _run_inputs(cfg, job):
+            tracker.log_dataset(info)
         run_id = d.broadcast_object(tracker.run_id)
         _settle_heap()
         result = _fit(cfg, d, job, tracker, run_id, output_dir)
@@ -248,10 +254,14 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
                     tracker.log_artifact(f, "adapter")
         if trainer.history.steps:  # drawn where it is sent (the tracking worker): matplotlib stays out of this process
             tracker.log_curves(trainer.history)
-    tracker.finish("FINISHED")
+        if cfg.tracking.log_model:
+            _log_model(cfg, tracker, model, plan, epsilon, steps)
     uri = tracker.uri if run_id else None
+    line = closing_line(metrics, epsilon, delta, steps, run_id, uri, audit=found)
     if d.is_main:
-        line = closing_line(metrics, epsilon, delta, steps, run_id, uri, audit=found)
+        tracker.set_tags({NOTE_TAG: line})  # the run's description in MLflow's UI
+    tracker.finish("FINISHED")
+    if d.is_main:
         if tracker.spooled:
             line += (f" | tracking server unreachable: spooled to {tracker.spooled}, upload with "
                      f"python -m workbench.tracking sync {output_dir}")
@@ -260,3 +270,48 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
                        noise_multiplier=plan.noise_multiplier if plan.private else None, sample_rate=plan.sample_rate, steps=steps, run_id=run_id, tracking_uri=uri,
                        output_dir=output_dir, checkpoint=last_saved[0], model=model, history=trainer.history,
                        audit=found)
+
+
+def _run_inputs(cfg: DictConfig, job: Job) -> list[dict]:
+    """The training and evaluation data as MLflow run inputs, from metadata only: the config's data node (its target
+    and arguments: the source), a digest of that node and N (not of the content), N, and for tensor datasets the shape
+    and dtype of a row (every row has it). Nothing read from an example."""
+    out = []
+    for split, context, loader, count in (("train", "training", job.loader, job.mechanism.shard.population),
+                                          ("eval", "eval", job.eval_loader, None)):
+        node = cfg.data.get(split) if loader is not None else None
+        if node is None:
+            continue
+        source = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else {"value": str(node)}
+        dataset = loader.dataset
+        count = count if count is not None else len(dataset)
+        tensors = getattr(dataset, "tensors", None)
+        features = [{"name": f"tensor_{i}", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape[1:])}
+                    for i, t in enumerate(tensors)] if isinstance(tensors, (tuple, list)) else []
+        target = str(source.get("_target_", "data")) if isinstance(source, dict) else "data"
+        out.append({"name": f"{split}: {target.rpartition('.')[2]}", "context": context, "num_examples": int(count),
+                    "source": json.dumps(source, sort_keys=True, default=str), "features": features,
+                    "digest": hashlib.sha256(json.dumps([source, count], sort_keys=True, default=str).encode())
+                    .hexdigest()[:8]})
+    return out
+
+
+def _log_model(cfg: DictConfig, tracker, model: nn.Module, plan, epsilon: float | None, steps: int) -> None:
+    """The trained model as the run's MLflow model (pickled here, logged where the tracking store runs), the privacy
+    budget as its metadata; a model that cannot be pickled is a warning and a tag, never a failed run."""
+    privacy_meta = {"private": plan.private, "steps": steps, "privacy_unit": "example" if plan.private else None}
+    if plan.private:
+        privacy_meta.update(epsilon=epsilon, delta=plan.delta, accountant=cfg.privacy.accountant,
+                            noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate,
+                            max_grad_norm=plan.max_grad_norm)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model.pt"
+        try:
+            torch.save(model, path)
+        except Exception as e:  # noqa: BLE001 - an unpicklable module (a closure in a hook...): the run goes on
+            message = " ".join(f"{type(e).__name__}: {e}".split())[:500]
+            log.warning("the trained model cannot be logged as an MLflow model: %s", message)
+            tracker.set_tags({"workbench.model_error": message})
+            return
+        tracker.log_model(path, {"name": "model", "step": steps, "privacy": privacy_meta,
+                                 "register": cfg.tracking.register_model})

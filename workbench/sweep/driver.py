@@ -16,8 +16,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from workbench.errors import WorkbenchError
 from workbench.privacy.accounting.tuning import TRIALS, _tnb_pmf
-from workbench.sweep.summary import PENDING_TAG, TERMINAL, _varied_keys, summarise
-from workbench.tracking.runs import PARENT_TAG, SWEEP_FILE, SWEEP_TAG
+from workbench.sweep.summary import PENDING_TAG, TERMINAL, _varied_keys, end_parent, summarise
+from workbench.tracking.runs import NOTE_TAG, PARENT_TAG, SWEEP_FILE, SWEEP_TAG, git_sha, source_tags
 from workbench.tracking.tracker import MlflowTracker
 
 log = logging.getLogger("workbench")
@@ -85,10 +85,11 @@ def start(cfg: DictConfig, sweep_dir: str | Path, points: Sequence[Sequence[str]
         tracker = MlflowTracker(cfg)
         experiment_id = tracker._experiment_id()  # pylint: disable=protected-access
         name = f"sweep {sweep_dir.parent.name}/{sweep_dir.name}"
+        # RUNNING from the sweep's start until its last point has ended (summary.end_parent), like the sweep itself.
         run = tracker.client.create_run(experiment_id, run_name=name,
-                                        tags={SWEEP_TAG: str(sweep_dir), "workbench.role": "sweep"})
-        # A parent only groups its children: never left RUNNING, whatever happens to the driver.
-        tracker.client.set_terminated(run.info.run_id, status="FINISHED")
+                                        tags={SWEEP_TAG: str(sweep_dir), "workbench.role": "sweep",
+                                              **source_tags("inline", git_sha()),
+                                              NOTE_TAG: f"sweep of {len(points) or 'its'} points in {sweep_dir}"})
         state.update(parent_run_id=run.info.run_id, tracking_uri=tracker.uri)
     _write(sweep_dir / SWEEP_FILE, state)
     return state
@@ -243,6 +244,20 @@ class SweepCallback(Callback):
                 finish(sweep_dir)
             except Exception as e:  # noqa: BLE001 - a summary that fails must not turn a finished sweep into a failed one
                 log.warning("could not summarise the sweep in %s: %s", sweep_dir, e)
+                _end_parent_anyway(sweep_dir)
+
+
+def _end_parent_anyway(sweep_dir: str | Path) -> None:
+    """The summary failed: the parent still ends (never left RUNNING once its points have)."""
+    state = read_state(sweep_dir)
+    try:
+        if state and state.get("parent_run_id"):
+            tracker = _parent_tracker(state)
+            children = _children(tracker.client, state["parent_run_id"])
+            if all(c.info.status in TERMINAL for c in children):
+                end_parent(tracker.client, state["parent_run_id"], children, failed=True)
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not end the sweep's parent run: %s", e)
 
 
 def _job_config(config: DictConfig, overrides: Sequence[str]) -> DictConfig:

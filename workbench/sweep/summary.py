@@ -138,6 +138,18 @@ def _distinct(runs, row) -> str:
     return " ".join(o for o in row["tags.overrides"].split() if o not in shared) or row["tags.overrides"]
 
 
+def end_parent(client, parent_run_id: str, children, failed: bool = False) -> str:
+    """End the parent when its last point has: at that point's end time (the sweep's span, not the driver's), FAILED
+    if a point failed (or the summary did: `failed`), KILLED if one was killed, else FINISHED. Returns the status."""
+    statuses = {c.info.status for c in children}
+    status = "FAILED" if failed or "FAILED" in statuses else "KILLED" if "KILLED" in statuses else "FINISHED"
+    ends = [c.info.end_time for c in children if c.info.end_time]
+    end = max(ends) if ends else None
+    client.set_tag(parent_run_id, "status", status.lower())
+    client.set_terminated(parent_run_id, status=status, end_time=end)
+    return status
+
+
 def summarise(tracker: MlflowTracker, state: dict) -> dict:
     """Log the sweep's table, frontier, best points, counts and privacy cost on its parent run; print one line."""
     from workbench.run_tables import sweep_frame
@@ -181,6 +193,9 @@ def summarise(tracker: MlflowTracker, state: dict) -> dict:
         metric = next(iter(s["metrics"]), None)
         if metric in finished and "epsilon" in finished and finished[metric].notna().any():
             tracker.log_figure(frontier(finished, metric), "frontier.png")
+    children = tracker.client.search_runs([tracker.client.get_run(tracker.run_id).info.experiment_id],
+                                          f"tags.`mlflow.parentRunId` = '{tracker.run_id}'", max_results=50_000)
+    summary["parent_status"] = end_parent(tracker.client, tracker.run_id, children)
     parts = [f"sweep done: {summary['points']} points ({summary['points_finished']} FINISHED, "
              f"{summary['points_failed']} FAILED)", *best_parts]
     if "sweep_delta" in cost:

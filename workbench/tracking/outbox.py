@@ -9,7 +9,9 @@ to the run folder's spool (``tracking-spool/``) and uploaded later into the same
 An operation is a JSON-able tuple: ``("metrics", [[{name: value}, step, ms], ...])``, ``("params", {k: v})``,
 ``("tags", {k: v})``, ``("artifact", staged_file, artifact_path)``, ``("curves", file_name, {steps, loss, epsilon,
 delta})`` (the training-curves figure, drawn where it is sent: matplotlib stays out of the training process),
-``("status", "FINISHED"|"FAILED"|"KILLED")``.
+``("model", staged_file, {name, step, privacy, register})`` (a pickled module, logged as an MLflow model),
+``("dataset", {name, digest, source, num_examples, features, context})`` (a run input, from metadata only),
+``("system_metrics", interval)`` (start MLflow's sampler where the store runs), ``("status", "FINISHED"|"FAILED"|"KILLED")``.
 
 MLflow is not imported here: operations are written to it by :mod:`workbench.tracking.store` (in this process or in
 the worker process of :mod:`workbench.tracking.worker`), and a spool is uploaded by :mod:`workbench.tracking.upload`.
@@ -133,8 +135,8 @@ def stage(output_dir: str | Path, source: str | Path, artifact_path: str | None)
 
 
 def unstage(op: tuple) -> None:
-    """Remove an uploaded artifact's staged copy (and its folder once empty)."""
-    if op[0] == "artifact":
+    """Remove an uploaded artifact's (or model's) staged copy (and its folder once empty)."""
+    if op[0] in ("artifact", "model"):
         staged = Path(op[1])
         staged.unlink(missing_ok=True)
         try:

@@ -1,10 +1,13 @@
 """How a run is found again among others: the tags that group a sweep's runs under its parent run, the file in a
-sweep's folder that names that parent, and the code's git commit that a run records."""
+sweep's folder that names that parent, the code's git commit that a run records, and MLflow's own tags (source, user,
+commit, the experiment's kind) by which its UI files and shows a run."""
 
 from __future__ import annotations
 
+import getpass
 import logging
 import subprocess
+import sys
 from pathlib import Path
 
 log = logging.getLogger("workbench.tracking")  # the name its lines have always been logged under
@@ -12,6 +15,10 @@ log = logging.getLogger("workbench.tracking")  # the name its lines have always 
 PARENT_TAG = "mlflow.parentRunId"
 SWEEP_TAG = "workbench.sweep_dir"
 SWEEP_FILE = ".workbench-sweep.json"  # in a sweep's folder: its parent run, written by the multirun driver
+# MLflow 3's UI opens an experiment by its kind: without one it shows the GenAI overview and files runs under
+# "Evaluation runs"; this kind opens the model-training view (the values are MLflow's ExperimentKind in its UI code).
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+NOTE_TAG = "mlflow.note.content"  # the run's description in MLflow's UI: the job's closing line
 
 
 def git_sha() -> str | None:
@@ -21,6 +28,21 @@ def git_sha() -> str | None:
         return out.stdout.strip() or None if out.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired):
         return None
+
+
+def source_tags(launcher: str = "inline", commit: str | None = None) -> dict[str, str]:
+    """MLflow's standard tags for a run started by this process, as ``mlflow.start_run`` would set them: what ran
+    (``python -m workbench``, or the script), how (LOCAL in this process, JOB from a launcher), the commit and who."""
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else "python"
+    name = "python -m workbench" if Path(argv0).parts[-2:] == ("workbench", "__main__.py") else argv0
+    tags = {"mlflow.source.name": name, "mlflow.source.type": "LOCAL" if launcher == "inline" else "JOB"}
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    try:
+        tags["mlflow.user"] = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name in this environment (a container without one): no tag
+        pass
+    return tags
 
 
 def sweep_parent(sweep_dir: str | Path) -> str | None:

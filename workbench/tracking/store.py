@@ -7,14 +7,20 @@ job leaves MLflow to its worker process (:mod:`workbench.tracking.worker`), whic
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import json
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
 
 from workbench.tracking.outbox import StoreError, unstage
+from workbench.tracking.runs import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
+
+log = logging.getLogger("workbench.tracking")
 
 
 def _retry(fn, attempts: int = 8):
@@ -77,6 +83,7 @@ class Store:
     def __init__(self, uri: str):
         self.uri = uri
         self._client = None
+        self._monitor = None  # MLflow's system-metrics sampler of the run, a thread of this process
 
     @property
     def client(self):
@@ -93,9 +100,11 @@ class Store:
         def get_or_create() -> str:
             exp = self.client.get_experiment_by_name(name)
             if exp is not None:
+                if EXPERIMENT_KIND_TAG not in exp.tags:  # made before workbench marked its kind; a user's kind stays
+                    self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
                 return exp.experiment_id
             try:
-                return self.client.create_experiment(name)
+                return self.client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
             except Exception:  # noqa: BLE001 - a concurrent point created it first
                 exp = self.client.get_experiment_by_name(name)
                 if exp is None:
@@ -126,7 +135,34 @@ class Store:
 
     @_plain
     def send(self, run_id: str, op: tuple) -> None:
+        if op[0] == "system_metrics":  # a sampler of this process (the tracking worker's, for a CLI job)
+            self._sample_system(run_id, op[1])
+            return
+        if op[0] == "status":  # the run ends: its sampler logs its last sample first
+            self._stop_sampling()
         send(self.client, run_id, op)
+
+    def _sample_system(self, run_id: str, interval: float) -> None:
+        """MLflow's own sampler (CPU, memory, disk, network; GPU when pynvml finds one) on a thread of this process:
+        never the job's training thread. Prefixed ``system/`` in the run's metrics, as MLflow logs them."""
+        self._stop_sampling()
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._monitor = SystemMetricsMonitor(run_id, sampling_interval=interval, tracking_uri=self.uri,
+                                                 resume_logging=True)
+            self._monitor.start()
+        except Exception as e:  # noqa: BLE001 - psutil missing, or a sampler that cannot start: the run goes on
+            self._monitor = None
+            log.warning("system metrics are not recorded: %s", " ".join(str(e).split())[:300])
+
+    def _stop_sampling(self) -> None:
+        if self._monitor is not None:
+            monitor, self._monitor = self._monitor, None
+            try:
+                monitor.finish()
+            except Exception as e:  # noqa: BLE001
+                log.debug("the system-metrics sampler did not stop cleanly: %s", e)
 
 
 STORE_CALLS = ("experiment_id", "create_run", "set_status", "status", "has_params", "logged_until", "send")
@@ -167,8 +203,105 @@ def send(client, run_id: str, op: tuple) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             training_curves(SimpleNamespace(**op[2])).savefig(Path(tmp) / op[1])
             client.log_artifact(run_id, str(Path(tmp) / op[1]))
+    elif kind == "model":
+        log_model(client, run_id, op[1], op[2])
+        unstage(op)
+    elif kind == "dataset":
+        log_dataset(client, run_id, op[1])
+    elif kind == "system_metrics":  # a sampler belongs to a live job's store (Store.send), not to an upload later
+        pass
     elif kind == "status":  # the tag too: a launcher's run was tagged status=submitted at submission
         _retry(lambda: client.set_tag(run_id, "status", op[1].lower()))
         _retry(lambda: client.set_terminated(run_id, status=op[1]))
     else:
         raise ValueError(f"unknown tracking operation {kind!r}")
+
+
+@contextlib.contextmanager
+def _tracking_uri_as(uri: str):
+    """MLflow's model logging reads the process's tracking URI: `uri` for the duration, and then the process's own
+    back as it was, $MLFLOW_TRACKING_URI included (MLflow's own restore drops it: the next job of a sweep run in this
+    process would then track into ./mlflow.db)."""
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    try:
+        with _use_tracking_uri(uri):
+            yield
+    finally:
+        if env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = env
+
+
+def log_model(client, run_id: str, path: str, meta: dict) -> None:
+    """The trained model (a pickled ``torch.nn.Module``, staged at `path`) as an MLflow model of the run, in the
+    ``mlflow.pytorch`` flavour, with the run's privacy budget as its metadata and tags; registered as a new version of
+    ``meta["register"]`` with the budget as version tags when asked. No signature and no input example: both would be
+    inferred from training data. A model that cannot be read or saved is recorded on the run
+    (tag ``workbench.model_error``) and the run goes on; the store being away is raised (the outbox retries)."""
+    import mlflow
+
+    privacy = {k: v for k, v in meta.get("privacy", {}).items() if v is not None}
+    tags = {f"workbench.{k}": str(v) for k, v in privacy.items()}
+    made = None
+    try:
+        import torch
+        import mlflow.pytorch
+
+        model = torch.load(path, map_location="cpu", weights_only=False)
+        run = _retry(lambda: client.get_run(run_id))
+        # Made here, in the run's experiment and with the run's source tags: MLflow's own would file it under the
+        # process's active experiment, with this (worker) process as its source.
+        source = {k: v for k, v in run.data.tags.items() if k.startswith(("mlflow.source.", "mlflow.user"))}
+        made = _retry(lambda: client.create_logged_model(run.info.experiment_id, name=meta.get("name", "model"),
+                                                         source_run_id=run_id, tags={**source, **tags}))
+        with _tracking_uri_as(client.tracking_uri):
+            info = mlflow.pytorch.log_model(
+                model, name=meta.get("name", "model"), model_id=made.model_id, run_id=run_id,
+                step=int(meta.get("step", 0)), metadata={"workbench": privacy},
+                serialization_format="pickle",  # pt2 needs an input example
+                # Given, so MLflow does not infer them (a subprocess that loads the model: seconds per run).
+                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+        _retry(lambda: client.finalize_logged_model(made.model_id, "READY"))
+    except Exception as e:  # noqa: BLE001 - a model that will not save must not cost the run its other records
+        message = " ".join(f"{type(e).__name__}: {e}".split())[:500]
+        if made is not None:
+            try:
+                client.finalize_logged_model(made.model_id, "FAILED")
+            except Exception:  # noqa: BLE001
+                pass
+        _retry(lambda: client.set_tag(run_id, "workbench.model_error", message))  # the store away: raised, retried
+        log.warning("the trained model was not logged as an MLflow model: %s", message)
+        return
+    name = meta.get("register")
+    if name:
+        try:
+            with _tracking_uri_as(client.tracking_uri):
+                version = mlflow.register_model(info.model_uri, name, tags=tags)
+            _retry(lambda: client.set_tag(run_id, "workbench.registered_model", f"{name}/{version.version}"))
+        except Exception as e:  # noqa: BLE001
+            message = " ".join(f"{type(e).__name__}: {e}".split())[:500]
+            _retry(lambda: client.set_tag(run_id, "workbench.model_error", f"registering {name!r}: {message}"))
+            log.warning("the trained model was not registered as %r: %s", name, message)
+
+
+def log_dataset(client, run_id: str, info: dict) -> None:
+    """A dataset as a run input (what ``mlflow.log_input`` records), from metadata only: its name, source (the
+    config's data target and arguments), digest (of that config and N), number of examples and, for tensor datasets,
+    the shapes and dtypes of a row. Never the content."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    schema = None
+    if info.get("features"):
+        import numpy as np
+        from mlflow.types import Schema, TensorSpec
+
+        specs = Schema([TensorSpec(np.dtype(f["dtype"]), tuple([-1, *f["shape"]]), f["name"]) for f in info["features"]])
+        schema = json.dumps({"mlflow_tensorspec": {"features": specs.to_json(), "targets": None}})
+    dataset = Dataset(name=info["name"], digest=info["digest"], source_type="code",
+                      source=json.dumps({"tags": {"workbench.data": info["source"]}}), schema=schema,
+                      profile=json.dumps({"num_examples": info["num_examples"]}))
+    _retry(lambda: client.log_inputs(run_id, datasets=[
+        DatasetInput(dataset, tags=[InputTag("mlflow.data.context", info["context"])])]))

@@ -51,6 +51,9 @@ class NullTracker:
     def log_figure(self, figure, name: str) -> None: ...
     def log_curves(self, history, name: str = "training_curves.png") -> None: ...
     def set_tags(self, tags: Mapping[str, Any]) -> None: ...
+    def log_model(self, path: str | Path, meta: Mapping[str, Any]) -> None: ...
+    def log_dataset(self, info: Mapping[str, Any]) -> None: ...
+    def log_system_metrics(self, interval: float) -> None: ...
     def finish(self, status: str = "FINISHED") -> None: ...
     def finish_if_running(self, status: str) -> None: ...
     def flush(self) -> None: ...
@@ -235,6 +238,22 @@ class MlflowTracker(NullTracker):
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         self._put(("tags", {k: scrub(str(v)) for k, v in tags.items()}))
+
+    def log_model(self, path: str | Path, meta: Mapping[str, Any]) -> None:
+        """A pickled ``torch.nn.Module`` at `path`, logged as the run's MLflow model where the store runs (MLflow and
+        its model code stay out of this process); `meta`: name, step, privacy (its metadata and tags), register."""
+        staged = stage(self.run_folder, path, None)
+        self._put(("model", staged[1], dict(meta)))
+
+    def log_dataset(self, info: Mapping[str, Any]) -> None:
+        """A run input from metadata only (workbench.tracking.store.log_dataset says which)."""
+        self._put(("dataset", dict(info)))
+
+    def log_system_metrics(self, interval: float) -> None:
+        """MLflow's system-metrics sampler, every `interval` seconds, where the store runs (the worker process of a CLI
+        job, else a thread of this one): never on the training thread."""
+        if interval > 0:
+            self._put(("system_metrics", float(interval)))
 
     def finish(self, status: str = "FINISHED") -> None:
         """End the run: everything queued is sent within tracking.flush_timeout seconds, else spooled to the run

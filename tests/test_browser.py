@@ -1,0 +1,99 @@
+"""MLflow's UI as a user opens it, in a real browser: Debian's Chromium, headless, driven by Selenium with the system
+chromedriver (no browser download), on a real `mlflow server` holding a finished run (its model registered) and a
+2-point sweep. Skipped where Chromium is missing, unless WORKBENCH_REQUIRE_BROWSER=1 (CI: .ci/run installs it and
+sets that, so there a missing browser fails). WORKBENCH_SCREENSHOTS=<folder> keeps the pages' screenshots (docs/)."""
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import run_cli
+
+REQUIRE_ENV = "WORKBENCH_REQUIRE_BROWSER"
+CHROMIUM, DRIVER = shutil.which("chromium") or "/usr/bin/chromium", shutil.which("chromedriver") or "/usr/bin/chromedriver"
+
+
+def _browser():
+    problem = None
+    if not (os.path.exists(CHROMIUM) and os.path.exists(DRIVER)):
+        problem = f"no chromium/chromedriver ({CHROMIUM}, {DRIVER}): apt-get install chromium chromium-driver"
+    else:
+        try:
+            from selenium import webdriver
+            from selenium.webdriver.chrome.service import Service
+        except ImportError as e:
+            problem = f"selenium is not installed ({e})"
+    if problem:
+        if os.environ.get(REQUIRE_ENV, "") in ("", "0", "false", "no"):
+            pytest.skip(f"{problem}; {REQUIRE_ENV} unset (CI sets it, so there this fails)")
+        pytest.fail(f"a browser is required ({REQUIRE_ENV}=1) but unavailable: {problem}", pytrace=False)
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1600,1000"):
+        options.add_argument(arg)
+    return webdriver.Chrome(service=Service(DRIVER), options=options)
+
+
+def _page(driver, url: str, *texts: str, timeout: float = 60, shot: str | None = None) -> str:
+    """Open `url` and wait until the page shows every one of `texts`; returns the page's text."""
+    driver.get(url)
+    deadline, body = time.monotonic() + timeout, ""
+    while time.monotonic() < deadline:
+        body = driver.find_element("tag name", "body").text
+        if all(t in body for t in texts):
+            break
+        time.sleep(0.5)
+    folder = os.environ.get("WORKBENCH_SCREENSHOTS")
+    if shot and folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(Path(folder) / shot))
+    missing = [t for t in texts if t not in body]
+    assert not missing, f"{url} does not show {missing}; it shows: {body[:1500]}"
+    return body
+
+
+@pytest.mark.slow
+def test_a_run_and_a_sweep_look_in_mlflow_as_training_runs_do(mlflow_server, tmp_path):
+    url, _ = mlflow_server
+    env = {"MLFLOW_TRACKING_URI": url}
+    one = run_cli("experiment=quick", "tracking.run_name=digits-dp", "tracking.register_model=digits-dp",
+                  "max_steps=60", "tracking.system_metrics_interval=1", "disable_tqdm=true", cwd=tmp_path, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    sweep = run_cli("-m", "experiment=quick", "privacy.target_epsilon=3,8", "disable_tqdm=true", cwd=tmp_path, env=env)
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    client = MlflowClient(url)
+    experiment = client.get_experiment_by_name("workbench").experiment_id
+    runs = client.search_runs([experiment])
+    run = next(r for r in runs if r.info.run_name == "digits-dp")
+    parent = next(r for r in runs if r.info.run_name.startswith("sweep "))
+    ml = "?workflowType=machine_learning"  # MLflow 3.17 picks the view by this (or the sidebar's toggle)
+
+    driver = _browser()
+    try:
+        # The experiment in the training view: the runs with their source, dataset, model and the sweep's parent.
+        body = _page(driver, f"{url}/#/experiments/{experiment}/runs{ml}", "Model training", "digits-dp",
+                     parent.info.run_name[:12], "python -m workbench", "train: Synthetic", "matching runs",
+                     shot="mlflow-runs.png")
+        assert "Detect Issues" not in body and "Evaluation runs" not in body
+        # The run: its closing line as the description, epsilon among its metrics, system metrics, the model.
+        _page(driver, f"{url}/#/experiments/{experiment}/runs/{run.info.run_id}{ml}", "done: eval_accuracy=",
+              "epsilon", "System metrics", "system/cpu_utilization_percentage", "digits-dp", "train: Synthetic",
+              shot="mlflow-run.png")
+        # The logged model, in the experiment's Models view: epsilon and delta among its metrics, its source run.
+        model_id = run.outputs.model_outputs[0].model_id
+        _page(driver, f"{url}/#/experiments/{experiment}/models/{model_id}{ml}", "Source run", "digits-dp",
+              "epsilon", "delta", "eval_accuracy", shot="mlflow-model.png")
+        # The registered version, with the budget as its tags.
+        _page(driver, f"{url}/#/models/digits-dp/versions/1{ml}", "workbench.epsilon", "workbench.delta",
+              shot="mlflow-registered.png")
+        # The sweep's parent and its two children.
+        children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+        assert len(children) == 2, [(r.info.run_name, r.data.tags) for r in runs] + [sweep.stdout[-3000:], sweep.stderr[-2000:]]
+        _page(driver, f"{url}/#/experiments/{experiment}/runs/{parent.info.run_id}{ml}", "sweep_epsilon_all",
+              *(c.info.run_name for c in children), shot="mlflow-sweep.png")
+    finally:
+        driver.quit()
