@@ -139,6 +139,11 @@ MUTANTS = (
     Mutant("budget-stop-ignored", "a run with fixed sigma takes all planned steps past target_epsilon",
            "workbench/privacy/mechanism.py", "            steps = budget\n", "            pass\n",
            ("tests/test_mechanism.py::test_a_run_with_fixed_noise_stops_at_the_budget",)),
+    Mutant("published-model-carries-the-last-batch", "the MLflow model is the trained module itself, with the last "
+           "batch's per-example gradients and activations on it", "workbench/run.py",
+           "            torch.save(published, path)", "            torch.save(model, path)",
+           ("tests/test_mlflow_ui.py::test_the_published_model_holds_the_trained_weights_and_nothing_of_the_last_batch"
+            "[hooks]",)),
     Mutant("resume-draws-a-fresh-secret", "a resumed unpinned run ignores its checkpoint's secret",
            "workbench/job.py", 'secret = state["secret"]', "secret = secret",
            ("tests/test_resume.py::test_an_unpinned_run_resumes_with_the_secret_of_its_checkpoint",)),

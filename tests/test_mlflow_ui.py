@@ -6,6 +6,7 @@ The browser test opens such a store in Chromium."""
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,3 +182,33 @@ def test_logging_a_model_in_this_process_leaves_its_tracking_uri_as_it_was(make_
     cfg.tracking.uri = None  # the job reads $MLFLOW_TRACKING_URI, as a sweep's points do
     assert MlflowClient(mlflow_uri).get_run(train(cfg).run_id).outputs.model_outputs
     assert os.environ["MLFLOW_TRACKING_URI"] == mlflow_uri and mlflow.get_tracking_uri() == before
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ew", "functorch", "vmap", "bk"])
+def test_the_published_model_holds_the_trained_weights_and_nothing_of_the_last_batch(make_cfg, mlflow_uri, tmp_path,
+                                                                                      mode):
+    """The per-sample modes leave the last batch's per-example gradients (``grad_sample``) and activations on the
+    trained module, and hooks that hold them: pickling it would publish unclipped, un-noised functions of private
+    examples. The MLflow model is the trained weights in a freshly built copy: the same outputs, only its state."""
+    import mlflow.artifacts
+    import mlflow.pytorch
+
+    result = train(make_cfg("experiment=quick", f"privacy.grad_sample_mode={mode}", "max_steps=3",
+                            f"tracking.register_model=m-{mode}", "tracking.system_metrics_interval=0"))
+    trained = result.model
+    leftovers = [n for n, p in trained.named_parameters() if vars(p)]
+    if mode != "bk":  # the premise: the trained module does carry per-example state in these modes
+        assert leftovers, "the trained module carries no per-example state: this test no longer tests the leak"
+    uri = f"models:/m-{mode}/1"
+    published = mlflow.pytorch.load_model(uri)
+    assert all(not vars(p) for p in published.parameters())
+    for name, module in published.named_modules():
+        assert not [k for k, v in vars(module).items() if k.endswith("hooks") and isinstance(v, dict) and v], name
+        assert not hasattr(module, "activations"), name
+    state_bytes = sum(t.numel() * t.element_size() for t in published.state_dict().values())
+    (tmp_path / "download").mkdir()
+    (pickled,) = Path(mlflow.artifacts.download_artifacts(uri, dst_path=str(tmp_path / "download"))).rglob("model.pth")
+    assert pickled.stat().st_size < state_bytes + 64 * 1024  # the state and the module's structure, nothing more
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(published(x), trained.cpu()(x))

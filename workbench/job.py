@@ -115,6 +115,18 @@ def mechanism_of(cfg: DictConfig, dataset_size: int, rank: int, world_size: int)
     """The mechanism `cfg` runs on this rank over a training set of ``dataset_size`` examples."""
     shard = sampling.train_shard(dataset_size, rank, world_size, cfg.ddp_shard, cfg.per_device_train_batch_size)
     return mechanism.plan(cfg.privacy, shard, cfg.ddp_shard, world_size, planned_steps(cfg, shard.population, world_size))
+def build_model(cfg: DictConfig) -> tuple[nn.Module, list[str]]:
+    """The model as the job trains it: the ``model`` node, then its adapters (``peft``), then ``privacy.fix_model``'s
+    fixes; and the notes of what was fixed. Untouched by training: no clipping hooks, no per-example state (run.py
+    publishes the trained weights in such a copy)."""
+    model = _instantiate(config.own_arguments(cfg, "model"), "model")
+    if not isinstance(model, nn.Module):
+        raise WorkbenchError(f"model._target_ built a {type(model).__name__}, not a torch.nn.Module")
+    if cfg.get("peft") is not None:  # adapters (LoRA): only they train, so only they are clipped and noised
+        model = _instantiate(cfg.peft, "peft", _partial_=True)(model)
+    return prepare_model(model, cfg.privacy.enabled, cfg.privacy.fix_model)
+
+
 def _autocast_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype | None:
     if cfg.fp16 and device.type != "cuda":
         raise WorkbenchError(f"fp16=true needs CUDA (this job runs on {device.type}); use bf16=true")
@@ -140,12 +152,7 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
                       f"{d.world_size} ranks get equal shards ({shard.population} used)", stacklevel=1)
     total_steps = planned_steps(cfg, shard.population, d.world_size)
 
-    model = _instantiate(config.own_arguments(cfg, "model"), "model")
-    if not isinstance(model, nn.Module):
-        raise WorkbenchError(f"model._target_ built a {type(model).__name__}, not a torch.nn.Module")
-    if cfg.get("peft") is not None:  # adapters (LoRA): only they train, so only they are clipped and noised
-        model = _instantiate(cfg.peft, "peft", _partial_=True)(model)
-    model, fixed = prepare_model(model, cfg.privacy.enabled, cfg.privacy.fix_model)
+    model, fixed = build_model(cfg)
     if d.is_main:
         for note in fixed:
             print(f"privacy.fix_model: {note}", flush=True)

@@ -22,7 +22,7 @@ from workbench.data.checks import blame_example
 from workbench.errors import TrainingStopped, WorkbenchError
 from workbench.evaluation import Evaluator
 from workbench.interrupt import Interrupted, ignore_further, signals_interrupt
-from workbench.job import Job, build
+from workbench.job import Job, build, build_model
 from workbench.models import hf
 from workbench.tracking.runs import NOTE_TAG, git_sha, source_tags
 from workbench.tracking.tracker import end_if_abandoned, make_tracker
@@ -307,7 +307,12 @@ def _log_model(cfg: DictConfig, tracker, model: nn.Module, plan, epsilon: float 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.pt"
         try:
-            torch.save(model, path)
+            # The trained weights in a freshly built copy: the trained module itself may carry the last batch's
+            # per-example gradients (grad_sample) and activations, and the hooks holding them (hooks, ew, vmap modes).
+            with torch.random.fork_rng(devices=[]):
+                published, _ = build_model(cfg)
+            published.load_state_dict(model.state_dict())
+            torch.save(published, path)
         except Exception as e:  # noqa: BLE001 - an unpicklable module (a closure in a hook...): the run goes on
             message = " ".join(f"{type(e).__name__}: {e}".split())[:500]
             log.warning("the trained model cannot be logged as an MLflow model: %s", message)
