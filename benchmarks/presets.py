@@ -28,6 +28,12 @@ PRESETS: dict[str, tuple[list[str], str]] = {
                 "synthetic Markov text"),
     "transformer": (["model=transformer"],
                     "TinyTransformer (conf/model/transformer.yaml): digits' 64 pixels as tokens"),
+    "gpt": (["experiment=gpt"],
+            "GPT as tutorials write it: learned positions by torch.arange(T), 2 nn.TransformerEncoderLayer blocks under a "
+            "causal mask (conf/experiment/gpt.yaml), token-level loss on synthetic Markov token walks"),
+    "vit": (["experiment=vit"],
+            "ViT as tutorials write it: patch conv, cls token and position table as raw nn.Parameters, one "
+            "nn.TransformerEncoder block (conf/experiment/vit.yaml) on digits"),
     "cnn": (["model=cnn"], "SmallCNN (conf/model/cnn.yaml) on digits"),  # vs_opacus and distributed_scaling only
 }
 

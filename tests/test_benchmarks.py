@@ -13,8 +13,10 @@ from tests.conftest import REPO
 
 FIGURES = ("dp_vs_nonprivate", "vs_opacus", "distributed_scaling", "scaling_vs_ddp", "accounting", "tracking_overhead", "startup",
            "end_to_end")
-# Issue 10's DP / non-private throughput target per preset (issue 9: DP-versus-non-private rows for its presets).
-PRESET_THROUGHPUT = {"mlp": 0.7, "images_resnet": 0.6, "text_classifier": 0.75, "lm_lora": 0.75, "transformer": 0.75}
+# Issue 10's DP / non-private throughput target per preset (issue 9: DP-versus-non-private rows for its presets;
+# issue 21: gpt and vit at 0.6x).
+PRESET_THROUGHPUT = {"mlp": 0.7, "images_resnet": 0.6, "text_classifier": 0.75, "lm_lora": 0.75, "transformer": 0.75,
+                     "gpt": 0.6, "vit": 0.6}
 NO_TARGET = ("vs_opacus", "distributed_scaling", "accounting", "tracking_overhead")  # older issues' figures, kept
 
 
@@ -56,7 +58,7 @@ def test_quick_benchmarks_write_every_figure(tmp_path):
     for preset, throughput in PRESET_THROUGHPUT.items():
         e = fig["presets"][preset]
         rows, mode = e["rows"], e["grad_sample_mode"]
-        assert {"non_private", "ours"} <= set(rows) and mode in ("bk", "ew", "hooks", "functorch", "ghost"), preset
+        assert {"non_private", "ours"} <= set(rows) and mode in ("bk", "ew", "hooks", "functorch", "ghost", "vmap"), preset
         assert ("opacus_ghost" in rows) != ("opacus_ghost_refused" in e), preset
         assert 0 < e["batch"] <= min(64, e["preset_batch"]), preset  # quick mode caps the preset's batch at 64
         ours = rows["ours"]

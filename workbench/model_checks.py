@@ -23,6 +23,9 @@ SHAPE_ERROR = re.compile(
     r"shape|size|dimension|mat1|mat2|channels|must match|dtype|scalar type|index out of range|out of bounds|"
     r"expected .*input|expected .*\d-?d|unflatten|cannot be multiplied|batch1|batch2|invalid for input", re.I)
 
+# the fix a shared-input refusal offers a per-layer mode; auto has already tried it (step.py drops it there)
+AUTO_FIX = "use grad_sample_mode=auto (it falls back to per-example gradients of the whole model) or "
+
 
 def path(name: str) -> str:
     return f"model.{name}" if name else "model"
@@ -263,8 +266,8 @@ def explain_not_own(model: nn.Module, forward: Callable[[Any], Any], batch: Any)
         shape = tuple(x.shape) if x is not None else ()
         return (f"{path(name)} ({type(m).__name__}) is called on an input of shape {shape} that has no batch dimension "
                 "(the same for every example, e.g. position ids torch.arange(T)), so its weight's gradient is summed "
-                "over the batch before a per-layer rule sees it; use grad_sample_mode=auto (it falls back to per-example "
-                "gradients of the whole model) or give it per-example inputs (e.g. torch.arange(T).expand(B, T))")
+                f"over the batch before a per-layer rule sees it; {AUTO_FIX}give it per-example inputs (e.g. "
+                "torch.arange(T).expand(B, T))")
     if mixers:
         deepest = [(name, m) for name, m in mixers
                    if not any(other != name and other.startswith(f"{name}.") or (name == "" and other)

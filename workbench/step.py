@@ -110,6 +110,7 @@ class GradientStep:
                 later = self.candidates[self.candidates.index(self.mode) + 1:] if self.mode in self.candidates else []
                 if not later and self.candidates:  # auto: the module to blame, found by any mode's failure
                     why = why or next((w for _, w, found in self.skipped if found), None)
+                    why = why and why.replace(model_checks.AUTO_FIX, "")  # auto tried them all: not a fix here
                     raise WorkbenchError(f"grad_sample_mode=auto found no mode that clips this model exactly: {why}"
                                          if why else str(e)) from e
                 if not later:  # the generic verdict replaced by the module to blame, when one was found

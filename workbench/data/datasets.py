@@ -1,5 +1,5 @@
 """The datasets: in-memory tensors handed back a whole index list at once (:class:`ArrayDataset`), scikit-learn's
-digits with a fixed stratified split, synthetic blobs and images, and the real CIFAR-10 read by an unpickler that
+digits with a fixed stratified split, synthetic blobs, images and token sequences, and the real CIFAR-10 read by an unpickler that
 accepts arrays and lists only. Any map-style ``Dataset`` plugs in by config (``data.train._target_``)."""
 
 from __future__ import annotations
@@ -85,6 +85,28 @@ class SyntheticImages(ArrayDataset):
         wave = torch.cos(frequency[y][:, None, None] * along + phase)  # (size, H, W)
         x = 0.5 + 0.25 * tint[y] * wave[:, None] + noise * torch.randn(size, 3, image_size, image_size, generator=g)
         super().__init__(x.clamp(0, 1), y)
+
+
+class SyntheticTokens(ArrayDataset):
+    """Token sequences for causal language modelling, made on the fly without a tokenizer: walks of ``length`` tokens
+    on a fixed random Markov chain over ``vocab`` ids, each id followed by one of ``branches`` successors drawn
+    uniformly (the chain is shared by every split). Examples are (ids, ids): the labels are the inputs, for
+    ``workbench.losses.TokenCrossEntropy(shift=True)``. The best possible perplexity is ``branches``; uniform
+    guessing's is ``vocab``."""
+
+    def __init__(self, size: int = 4096, length: int = 32, vocab: int = 32, branches: int = 2, seed: int = 0):
+        if not 1 <= branches <= vocab or length < 2:
+            raise WorkbenchError(f"SyntheticTokens needs 1 <= branches <= vocab and length >= 2, got "
+                                 f"branches={branches}, vocab={vocab}, length={length}")
+        g = torch.Generator().manual_seed(1234)  # the chain shared by every split
+        successors = torch.stack([torch.randperm(vocab, generator=g)[:branches] for _ in range(vocab)])
+        g.manual_seed(seed)
+        ids = torch.empty(size, length, dtype=torch.long)
+        ids[:, 0] = torch.randint(0, vocab, (size,), generator=g)
+        choice = torch.randint(0, branches, (size, length), generator=g)
+        for t in range(1, length):
+            ids[:, t] = successors[ids[:, t - 1], choice[:, t]]
+        super().__init__(ids, ids)
 
 
 class CIFAR10(ArrayDataset):

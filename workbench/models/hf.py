@@ -49,7 +49,29 @@ def model(task: str = "classification", path: str | None = None, config: dict | 
     for n, p in built.named_parameters():
         if any(n.startswith(prefix) for prefix in freeze):
             p.requires_grad_(False)
+    if built.config.model_type in ARANGE_POSITIONS and \
+            getattr(built.config, "position_embedding_type", "absolute") == "absolute":
+        built.register_forward_pre_hook(per_example_position_ids, with_kwargs=True)
     return built
+
+
+# Model types whose default position ids are torch.arange(T) for every example (no cache): the same ids given per
+# example compute the same function, and their position embeddings then have per-example gradients (bk's Embedding
+# rule sees a batch dimension). Not e.g. RoBERTa or OPT, whose positions depend on padding.
+ARANGE_POSITIONS = ("bert", "gpt2")
+
+
+def per_example_position_ids(module: nn.Module, args: tuple, kwargs: dict):
+    """A forward pre-hook: ``position_ids`` (B, T) = arange(T) for each example, where the caller gave none and no
+    cache is in use (as dp-transformers does). The model's own default is arange(T) shared by the batch, whose
+    embedding gradient only a whole-model mode could split per example, and HF's forward cannot run under vmap."""
+    if kwargs.get("position_ids") is not None or kwargs.get("past_key_values") is not None:
+        return None
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if not torch.is_tensor(ids) or ids.dim() != 2:
+        return None  # inputs_embeds, or unbatched ids: the model's own default
+    b, t = ids.shape
+    return args, {**kwargs, "position_ids": torch.arange(t, device=ids.device).expand(b, t).contiguous()}
 
 
 def lora(model: nn.Module, r: int = 8, alpha: float = 16, target_modules: Sequence[str] | None = None,

@@ -159,3 +159,53 @@ class TinyTransformer(nn.Module):
         h = h + self.proj(att)
         h = h + self.down(torch.relu(self.up(self.ln2(h))))
         return self.head(self.ln_f(h).mean(1))
+
+
+class GPT(nn.Module):
+    """A small causal language model written the way tutorials write it: a token embedding plus a learned position
+    embedding looked up with ``torch.arange(T)`` (ids shared by the whole batch), pre-LN ``nn.TransformerEncoderLayer``
+    blocks under a causal mask (``is_causal=True``), a final LayerNorm and a linear LM head. Ids (B, T) -> logits
+    (B, T, vocab), for ``workbench.losses.TokenCrossEntropy(shift=True)``. ``privacy.fix_model`` swaps each block's
+    nn.MultiheadAttention for workbench.models.attention.PerExampleMultiheadAttention (same function)."""
+
+    def __init__(self, vocab: int = 32, max_len: int = 32, d_model: int = 64, heads: int = 4, layers: int = 2,
+                 dropout: float = 0.0):
+        super().__init__()
+        self.max_len = max_len
+        self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(max_len, d_model)
+        block = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.ln_f, self.head = nn.LayerNorm(d_model), nn.Linear(d_model, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        if t > self.max_len:
+            raise WorkbenchError(f"GPT got sequences of {t} tokens; model.max_len is {self.max_len}")
+        h = self.tok(ids) + self.pos(torch.arange(t, device=ids.device))  # (B, T, d) + (T, d)
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=ids.device)
+        return self.head(self.ln_f(self.blocks(h, mask=mask, is_causal=True)))
+
+
+class ViT(nn.Module):
+    """A small vision transformer written the way tutorials write it: non-overlapping patches by a strided
+    ``nn.Conv2d``, a cls token and a position table as raw ``nn.Parameter`` s (broadcast over the batch), pre-LN
+    ``nn.TransformerEncoder`` blocks, a LayerNorm and a linear head on the cls token. Takes (B, C, H, W) images or the
+    same flattened (digits: 64 features read as 1x8x8)."""
+
+    def __init__(self, image_size: int = 8, patch: int = 2, channels: int = 1, d_model: int = 32, heads: int = 4,
+                 layers: int = 2, num_classes: int = 10, dropout: float = 0.0):
+        super().__init__()
+        if image_size % patch:
+            raise WorkbenchError(f"ViT: model.image_size={image_size} is not a multiple of model.patch={patch}")
+        self.shape = (channels, image_size, image_size)
+        self.patch = nn.Conv2d(channels, d_model, patch, stride=patch)
+        self.cls = nn.Parameter(torch.zeros(1, 1, d_model))
+        self.pos = nn.Parameter(torch.randn(1, (image_size // patch) ** 2 + 1, d_model) * 0.02)
+        block = nn.TransformerEncoderLayer(d_model, heads, 2 * d_model, dropout, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm, self.head = nn.LayerNorm(d_model), nn.Linear(d_model, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.patch(x.reshape(len(x), *self.shape)).flatten(2).transpose(1, 2)  # (B, patches, d)
+        h = torch.cat([self.cls.expand(len(x), -1, -1), p], 1) + self.pos
+        return self.head(self.norm(self.encoder(h))[:, 0])
