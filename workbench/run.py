@@ -257,8 +257,8 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
         if cfg.tracking.log_model:
             _log_model(cfg, tracker, model, plan, epsilon, steps)
     uri = tracker.uri if run_id else None
-    line = closing_line(metrics, epsilon, delta, steps, run_id, uri, audit=found)
-    if d.is_main:
+    if d.is_main:  # the other ranks have no tracker URI to name
+        line = closing_line(metrics, epsilon, delta, steps, run_id, uri, audit=found)
         tracker.set_tags({NOTE_TAG: line})  # the run's description in MLflow's UI
     tracker.finish("FINISHED")
     if d.is_main:
@@ -267,7 +267,8 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
                      f"python -m workbench.tracking sync {output_dir}")
         print(line, flush=True)
     return TrainResult(metrics=metrics, epsilon=epsilon, delta=delta,
-                       noise_multiplier=plan.noise_multiplier if plan.private else None, sample_rate=plan.sample_rate, steps=steps, run_id=run_id, tracking_uri=uri,
+                       noise_multiplier=plan.noise_multiplier if plan.private else None, sample_rate=plan.sample_rate,
+                       steps=steps, run_id=run_id, tracking_uri=uri,
                        output_dir=output_dir, checkpoint=last_saved[0], model=model, history=trainer.history,
                        audit=found)
 
