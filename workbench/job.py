@@ -6,6 +6,7 @@ an MLflow run exists (config, data, model, the mechanism, the pre-run check of t
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import secrets
@@ -127,6 +128,21 @@ def build_model(cfg: DictConfig) -> tuple[nn.Module, list[str]]:
     return prepare_model(model, cfg.privacy.enabled, cfg.privacy.fix_model)
 
 
+def _takes_noise_std(make_optimizer: Any, cfg: DictConfig) -> bool:
+    """Whether the optimizer takes the run's noise std (``noise_std``: DP-AdamBC, workbench/optim.py); refused in one
+    line without privacy, or when the config sets it (it is the mechanism's)."""
+    try:
+        takes = "noise_std" in inspect.signature(make_optimizer).parameters
+    except (TypeError, ValueError):
+        return False
+    if takes and "noise_std" in getattr(make_optimizer, "keywords", {}):
+        raise WorkbenchError("optimizer.noise_std is set from the run's mechanism (sigma C / B); remove it from the config")
+    if takes and not cfg.privacy.enabled:
+        raise WorkbenchError(f"optimizer {cfg.optimizer.get('_target_')} corrects for the DP noise and needs privacy; "
+                             "use privacy=dp, or optimizer=sgd (or torch.optim.AdamW) for a non-private run")
+    return takes
+
+
 def _autocast_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype | None:
     if cfg.fp16 and device.type != "cuda":
         raise WorkbenchError(f"fp16=true needs CUDA (this job runs on {device.type}); use bf16=true")
@@ -162,6 +178,7 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
             torch.distributed.broadcast(t, 0)
     criterion = _instantiate(cfg.criterion, "criterion", reduction="none")
     make_optimizer = _instantiate(cfg.optimizer, "optimizer")  # refused here, before the seconds of noise calibration
+    wants_noise = _takes_noise_std(make_optimizer, cfg)
     metrics_fn = compute_metrics or _compute_metrics(cfg.compute_metrics)
     for split, dataset in (("train", user_train_set), ("eval", eval_set)):  # the user's data, before any canaries
         if dataset is not None:
@@ -182,7 +199,9 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
     step_fn.check(loaders.first_examples(train_set, CHECK_EXAMPLES, collator))
     if d.is_main and step_fn.mode_note:  # which mode auto picked, and why faster ones were skipped
         print(step_fn.mode_note, flush=True)
-    optimizer = make_optimizer(step_fn.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    # An optimizer that corrects for the noise (workbench/optim.py) is told its std per coordinate: sigma C / B.
+    noise = {"noise_std": plan.noise_multiplier * plan.max_grad_norm / plan.expected_batch} if wants_noise else {}
+    optimizer = make_optimizer(step_fn.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, **noise)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_scheduler_type, cfg.warmup_steps,
                                                                        plan.steps))
 

@@ -1,4 +1,5 @@
-"""Pictures: a run's epsilon and loss versus step; the privacy-utility frontier across runs."""
+"""Pictures: a run's epsilon and loss versus step; what its epsilon means (the membership-inference trade-off curve);
+the privacy-utility frontier across runs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ def training_curves(history):
     """What a run logged against the logical step: for a private run epsilon (left axis, one marker per logged line,
     delta in its label) and the training loss (right axis); for a non-private run the loss alone. ``history`` has
     ``steps``, ``loss``, ``epsilon`` (empty or all NaN: non-private) and optionally ``delta``. Nothing is drawn that was
-    not logged: a line logged without epsilon (runs from before every line had one) leaves a gap, not a straight line."""
+    not logged: a line logged without epsilon (runs from before every line had one) leaves a gap, not a straight line.
+
+    A history whose ``delta`` is a mapping with a ``tradeoff`` key is a run's trade-off curve instead (``steps``: the
+    FPRs, ``loss``: the most TPR at each; ``delta["tradeoff"]``: epsilon, delta and advantage), drawn by
+    :func:`privacy_tradeoff`: the tracker's curves operation carries exactly these four fields to the worker that draws
+    (workbench/run.py sends it)."""
+    if isinstance(getattr(history, "delta", None), dict) and "tradeoff" in history.delta:
+        return privacy_tradeoff(history.steps, history.loss, **history.delta["tradeoff"])
     epsilon = list(history.epsilon)
     private = any(e == e for e in epsilon)  # NaN != NaN
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
@@ -32,6 +40,30 @@ def training_curves(history):
         twin.set_ylabel("training loss", color="tab:orange")
         ax.set_title("privacy spent and training loss")
         ax.legend(handles=ax.lines + twin.lines, loc="center right", fontsize=8)
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def privacy_tradeoff(fpr, tpr, epsilon: float, delta: float, advantage: float):
+    """What a run's epsilon means: the most TPR any membership-inference attack can reach at each FPR (an upper bound,
+    workbench/privacy/accounting/tradeoff.py), log-log, against guessing (TPR = FPR); the reported FPRs marked."""
+    points = [(a, t) for a, t in zip(fpr, tpr) if a > 0]
+    fig, ax = plt.subplots(figsize=(5, 4.2), dpi=110)
+    ax.plot([a for a, _ in points], [t for _, t in points], color="tab:red",
+            label=f"most any attack achieves (advantage <= {advantage:.3f})")
+    ax.plot([points[0][0], 1], [points[0][0], 1], color="tab:gray", linestyle="--", label="guessing (TPR = FPR)")
+    for a, t in points:
+        if a in (1e-3, 1e-2):
+            ax.plot(a, t, "o", color="tab:red")
+            ax.annotate(f"TPR <= {t:.3g}", (a, t), textcoords="offset points", xytext=(6, -10), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("false-positive rate (non-members called members)")
+    ax.set_ylabel("true-positive rate (members found)")
+    ax.set_title(f"membership inference: the bound at epsilon = {epsilon:.3g}, delta = {delta:.1e}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     plt.close(fig)
     return fig

@@ -11,6 +11,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -24,6 +25,7 @@ from workbench.evaluation import Evaluator
 from workbench.interrupt import Interrupted, ignore_further, signals_interrupt
 from workbench.job import Job, build, build_model
 from workbench.models import hf
+from workbench.privacy.accounting.tradeoff import membership_bounds
 from workbench.tracking.runs import NOTE_TAG, git_sha, source_tags
 from workbench.tracking.tracker import end_if_abandoned, make_tracker
 from workbench.tracking.uris import ui_command
@@ -226,10 +228,13 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
         raise
     metrics = evaluator() if evaluator is not None else {}
     summary = {"steps": steps, "sample_rate": plan.sample_rate, "world_size": d.world_size}
-    epsilon = None
+    epsilon, bounds = None, None
     if plan.private:
         epsilon = plan.epsilon(steps)  # the schedule's last value, read back on a rerun
         summary.update(epsilon=epsilon, delta=delta, noise_multiplier=plan.noise_multiplier)
+        if d.is_main:  # what that epsilon means: the most any membership-inference attack achieves (README)
+            bounds = membership_bounds(accountant, steps)
+            summary.update(bounds.metrics())
     found = None
     if canaries:
         found = canaries.result(epsilon, delta or privacy.default_delta(plan.shard.population), plan, steps)
@@ -254,6 +259,9 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
                     tracker.log_artifact(f, "adapter")
         if trainer.history.steps:  # drawn where it is sent (the tracking worker): matplotlib stays out of this process
             tracker.log_curves(trainer.history)
+        if bounds is not None:  # drawn by the tracking worker too (workbench.plots.privacy_tradeoff)
+            tracker.log_curves(SimpleNamespace(steps=list(bounds.fpr), loss=list(bounds.tpr), epsilon=[], delta={
+                "tradeoff": {"epsilon": epsilon, "delta": delta, "advantage": bounds.advantage}}), "privacy_tradeoff.png")
         if cfg.tracking.log_model:
             _log_model(cfg, tracker, model, plan, epsilon, steps)
     uri = tracker.uri if run_id else None

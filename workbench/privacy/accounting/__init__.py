@@ -5,6 +5,7 @@
 - accountant.py   :class:`Accountant`, a run's ledger (pld | rdp | prv), and :class:`EpsilonSchedule`
 - calibration.py  the smallest sigma for a target epsilon; the default delta; argument checks
 - tuning.py       composition across runs: what a sweep costs (all points, or only the best of K, selection.py)
+- tradeoff.py     what epsilon means: the most any membership-inference attack achieves (f-DP from the PLD)
 
 Nothing here imports dp_accounting until a number is asked for (lazy.py): scipy's import is seconds.
 """
