@@ -139,16 +139,15 @@ def test_a_non_private_run_has_no_bounds(make_cfg, mlflow_uri):
 
 
 def test_the_tradeoff_picture_is_drawn_from_what_the_tracker_carries():
-    from types import SimpleNamespace
+    import json
 
-    from workbench.plots import training_curves
+    from workbench.plots import FIGURES
 
     t = tradeoff(pldlib.from_gaussian_mechanism(1.0, value_discretization_interval=1e-2))
-    # the tracker's curves operation: four fields, JSON-safe (it may be spooled)
-    import json
-    payload = json.loads(json.dumps({"steps": list(t.fpr), "loss": list(t.tpr), "epsilon": [],
-                                     "delta": {"tradeoff": {"epsilon": 2.0, "delta": 1e-5, "advantage": t.advantage}}}))
-    fig = training_curves(SimpleNamespace(**payload))
+    # what tracker.log_plot carries to the worker: JSON-safe data (it may be spooled)
+    payload = json.loads(json.dumps({"fpr": list(t.fpr), "tpr": list(t.tpr), "epsilon": 2.0, "delta": 1e-5,
+                                     "advantage": t.advantage}))
+    fig = FIGURES["privacy_tradeoff"](**payload)
     ax = fig.axes[0]
     assert ax.get_xscale() == "log" and "membership" in ax.get_title()
     drawn = ax.lines[0].get_ydata()

@@ -3,6 +3,8 @@ the privacy-utility frontier across runs."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import matplotlib
 
 matplotlib.use("Agg")  # headless: files and notebooks, never a window
@@ -13,14 +15,7 @@ def training_curves(history):
     """What a run logged against the logical step: for a private run epsilon (left axis, one marker per logged line,
     delta in its label) and the training loss (right axis); for a non-private run the loss alone. ``history`` has
     ``steps``, ``loss``, ``epsilon`` (empty or all NaN: non-private) and optionally ``delta``. Nothing is drawn that was
-    not logged: a line logged without epsilon (runs from before every line had one) leaves a gap, not a straight line.
-
-    A history whose ``delta`` is a mapping with a ``tradeoff`` key is a run's trade-off curve instead (``steps``: the
-    FPRs, ``loss``: the most TPR at each; ``delta["tradeoff"]``: epsilon, delta and advantage), drawn by
-    :func:`privacy_tradeoff`: the tracker's curves operation carries exactly these four fields to the worker that draws
-    (workbench/run.py sends it)."""
-    if isinstance(getattr(history, "delta", None), dict) and "tradeoff" in history.delta:
-        return privacy_tradeoff(history.steps, history.loss, **history.delta["tradeoff"])
+    not logged: a line logged without epsilon (runs from before every line had one) leaves a gap, not a straight line."""
     epsilon = list(history.epsilon)
     private = any(e == e for e in epsilon)  # NaN != NaN
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
@@ -114,3 +109,8 @@ def frontier(runs, metric: str = "eval_accuracy", title: str | None = None):
     fig.tight_layout()
     plt.close(fig)
     return fig
+
+
+# What the tracking worker may draw from a run's JSON data (tracker.log_plot): figure name -> drawing function.
+FIGURES = {"training_curves": lambda **history: training_curves(SimpleNamespace(**history)),
+           "privacy_tradeoff": privacy_tradeoff}

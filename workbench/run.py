@@ -11,7 +11,6 @@ import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -260,8 +259,9 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
         if trainer.history.steps:  # drawn where it is sent (the tracking worker): matplotlib stays out of this process
             tracker.log_curves(trainer.history)
         if bounds is not None:  # drawn by the tracking worker too (workbench.plots.privacy_tradeoff)
-            tracker.log_curves(SimpleNamespace(steps=list(bounds.fpr), loss=list(bounds.tpr), epsilon=[], delta={
-                "tradeoff": {"epsilon": epsilon, "delta": delta, "advantage": bounds.advantage}}), "privacy_tradeoff.png")
+            tracker.log_plot("privacy_tradeoff", "privacy_tradeoff.png", {
+                "fpr": list(bounds.fpr), "tpr": list(bounds.tpr), "epsilon": epsilon, "delta": delta,
+                "advantage": bounds.advantage})
         if cfg.tracking.log_model:
             _log_model(cfg, tracker, model, plan, epsilon, steps)
     uri = tracker.uri if run_id else None

@@ -7,8 +7,8 @@ to the run folder's spool (``tracking-spool/``) and uploaded later into the same
 ``python -m workbench.tracking sync <run folder>``.
 
 An operation is a JSON-able tuple: ``("metrics", [[{name: value}, step, ms], ...])``, ``("params", {k: v})``,
-``("tags", {k: v})``, ``("artifact", staged_file, artifact_path)``, ``("curves", file_name, {steps, loss, epsilon,
-delta})`` (the training-curves figure, drawn where it is sent: matplotlib stays out of the training process),
+``("tags", {k: v})``, ``("artifact", staged_file, artifact_path)``, ``("curves", file_name, data, plot)`` (a figure of
+workbench.plots, ``FIGURES[plot](**data)``, drawn where it is sent: matplotlib stays out of the training process),
 ``("model", staged_file, {name, step, privacy, register})`` (a pickled module, logged as an MLflow model),
 ``("dataset", {name, digest, source, num_examples, features, context})`` (a run input, from metadata only),
 ``("system_metrics", interval)`` (start MLflow's sampler where the store runs), ``("status", "FINISHED"|"FAILED"|"KILLED")``.

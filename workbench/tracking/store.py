@@ -196,12 +196,11 @@ def send(client, run_id: str, op: tuple) -> None:
         client.log_artifact(run_id, op[1], op[2])
         unstage(op)
     elif kind == "curves":
-        from types import SimpleNamespace
+        from workbench.plots import FIGURES
 
-        from workbench.plots import training_curves
-
+        plot = op[3] if len(op) > 3 else "training_curves"  # a spool written before figures were named
         with tempfile.TemporaryDirectory() as tmp:
-            training_curves(SimpleNamespace(**op[2])).savefig(Path(tmp) / op[1])
+            FIGURES[plot](**op[2]).savefig(Path(tmp) / op[1])
             client.log_artifact(run_id, str(Path(tmp) / op[1]))
     elif kind == "model":
         log_model(client, run_id, op[1], op[2])

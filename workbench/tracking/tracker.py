@@ -50,6 +50,7 @@ class NullTracker:
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def log_figure(self, figure, name: str) -> None: ...
     def log_curves(self, history, name: str = "training_curves.png") -> None: ...
+    def log_plot(self, plot: str, name: str, data: Mapping[str, Any]) -> None: ...
     def set_tags(self, tags: Mapping[str, Any]) -> None: ...
     def log_model(self, path: str | Path, meta: Mapping[str, Any]) -> None: ...
     def log_dataset(self, info: Mapping[str, Any]) -> None: ...
@@ -233,8 +234,13 @@ class MlflowTracker(NullTracker):
 
     def log_curves(self, history, name: str = "training_curves.png") -> None:
         """The run's training curves (workbench.plots.training_curves of `history`), drawn where they are sent."""
-        self._put(("curves", name, {"steps": list(history.steps), "loss": list(history.loss),
-                                    "epsilon": list(history.epsilon), "delta": history.delta}))
+        self.log_plot("training_curves", name, {"steps": list(history.steps), "loss": list(history.loss),
+                                                "epsilon": list(history.epsilon), "delta": history.delta})
+
+    def log_plot(self, plot: str, name: str, data: Mapping[str, Any]) -> None:
+        """A figure of workbench.plots (``plots.FIGURES[plot](**data)``, JSON data) drawn where it is sent, so that
+        matplotlib stays out of the training process; logged as the artifact `name`."""
+        self._put(("curves", name, dict(data), plot))
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         self._put(("tags", {k: scrub(str(v)) for k, v in tags.items()}))
