@@ -94,6 +94,10 @@ def test_an_experiment_is_marked_as_model_training_unless_it_has_a_kind(tmp_path
         store.experiment_id(name)
     kinds = {n: client.get_experiment_by_name(n).tags.get("mlflow.experimentKind") for n in ("old", "genai", "new")}
     assert kinds == {"old": "custom_model_development", "genai": "genai_development", "new": "custom_model_development"}
+    # The runs table's shared view (the link's viewStateShareKey=workbench): epsilon is its first column.
+    for name in ("old", "genai", "new"):
+        view = json.loads(client.get_experiment_by_name(name).tags["mlflow.sharedViewState.workbench"])
+        assert view["selectedColumns"][0] == view["columnOrder"][0] == "metrics.`epsilon`"
 
 
 @pytest.mark.parametrize("name", ["", "  ", "a/b", "team:model", "100%", ".."])

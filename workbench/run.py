@@ -58,7 +58,8 @@ class TrainResult:
 
 
 def closing_line(metrics: dict[str, float], epsilon: float | None, delta: float | None, steps: int,
-                 run_id: str | None, uri: str | None, job_id: str | None = None, audit: AuditResult | None = None) -> str:
+                 run_id: str | None, uri: str | None, job_id: str | None = None, audit: AuditResult | None = None,
+                 experiment_id: str | None = None) -> str:
     """The one line every launcher (inline, local, SLURM) ends a job with."""
     parts = [f"{k}={v:.4f}" for k, v in metrics.items()]
     if epsilon is not None:
@@ -69,7 +70,7 @@ def closing_line(metrics: dict[str, float], epsilon: float | None, delta: float 
     if job_id is not None:
         parts.append(f"job_id={job_id}")
     if run_id:
-        parts.append(f"run_id={run_id} | {ui_command(uri)}")
+        parts.append(f"run_id={run_id}" + (f" | {ui_command(uri, experiment_id, run_id)}" if uri else ""))
     return "done: " + " ".join(parts)
 
 
@@ -257,7 +258,7 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
         if cfg.tracking.log_model:
             _log_model(cfg, tracker, model, plan, epsilon, steps)
     uri = tracker.uri if run_id else None
-    line = closing_line(metrics, epsilon, delta, steps, run_id, uri, audit=found)
+    line = closing_line(metrics, epsilon, delta, steps, run_id, uri, audit=found, experiment_id=tracker.experiment_id)
     if d.is_main:
         tracker.set_tags({NOTE_TAG: line})  # the run's description in MLflow's UI
     tracker.finish("FINISHED")
