@@ -12,8 +12,10 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import run_cli
+from workbench.tracking.uris import ui_link
 
 REQUIRE_ENV = "WORKBENCH_REQUIRE_BROWSER"
+ASSISTANT_CLOSE = "button[data-component-id='mlflow.assistant.chat_panel.close']"
 CHROMIUM, DRIVER = shutil.which("chromium") or "/usr/bin/chromium", shutil.which("chromedriver") or "/usr/bin/chromedriver"
 
 
@@ -43,6 +45,11 @@ def _page(driver, url: str, *texts: str, timeout: float = 60, shot: str | None =
     driver.get(url)
     deadline, body = time.monotonic() + timeout, ""
     while time.monotonic() < deadline:
+        for close in driver.find_elements("css selector", ASSISTANT_CLOSE):  # MLflow's chat panel takes a third
+            try:
+                close.click()
+            except Exception:  # noqa: BLE001 - gone meanwhile
+                pass
         body = driver.find_element("tag name", "body").text
         if all(t in body for t in texts):
             break
@@ -54,6 +61,20 @@ def _page(driver, url: str, *texts: str, timeout: float = 60, shot: str | None =
     missing = [t for t in texts if t not in body]
     assert not missing, f"{url} does not show {missing}; it shows: {body[:1500]}"
     return body
+
+
+def _charts(driver) -> list[tuple[str, int]]:
+    """The metric charts on a run's page: each chart's legend ("<run> (<metric>)") and its number of points."""
+    found = driver.execute_script("""
+        return Array.from(document.querySelectorAll('.js-plotly-plot')).map(plot => {
+            let card = plot;
+            while (card.parentElement && !/\\(.+\\)/.test(card.innerText.replace(plot.innerText, ''))) {
+                card = card.parentElement;
+            }
+            const legend = card.innerText.split('\\n').find(line => /\\(.+\\)$/.test(line)) || '';
+            return [legend, plot.querySelectorAll('.scatterlayer .point').length];
+        });""")
+    return [(legend, n) for legend, n in found]
 
 
 @pytest.mark.slow
@@ -71,18 +92,31 @@ def test_a_run_and_a_sweep_look_in_mlflow_as_training_runs_do(mlflow_server, tmp
     run = next(r for r in runs if r.info.run_name == "digits-dp")
     parent = next(r for r in runs if r.info.run_name.startswith("sweep "))
     ml = "?workflowType=machine_learning"  # MLflow 3.17 picks the view by this (or the sidebar's toggle)
+    (closing,) = [line for line in one.stdout.splitlines() if line.startswith("done: ")]
+    link = closing.rpartition(" | open ")[2]  # the link the job printed, as a user follows it
+    assert link == ui_link(url, experiment, run.info.run_id) and link.endswith(ml), closing
 
     driver = _browser()
     try:
-        # The experiment in the training view: the runs with their source, dataset, model and the sweep's parent.
-        body = _page(driver, f"{url}/#/experiments/{experiment}/runs{ml}", "Model training", "digits-dp",
-                     parent.info.run_name[:12], "python -m workbench", "train: Synthetic", "matching runs",
+        # The experiment's runs table as the link (ui_link) opens it: the training view, epsilon as its first column,
+        # the runs with their dataset, model and source, the sweep's parent.
+        body = _page(driver, ui_link(url, experiment), "Model training", "digits-dp", parent.info.run_name[:12],
+                     "python -m workbench", "train: Synthetic", "matching runs", "Metrics", "epsilon",
                      shot="mlflow-runs.png")
         assert "Detect Issues" not in body and "Evaluation runs" not in body
-        # The run: its closing line as the description, epsilon among its metrics, system metrics, the model.
-        _page(driver, f"{url}/#/experiments/{experiment}/runs/{run.info.run_id}{ml}", "done: eval_accuracy=",
-              "epsilon", "System metrics", "system/cpu_utilization_percentage", "digits-dp", "train: Synthetic",
-              shot="mlflow-run.png")
+        headers = {h.text: h.location["x"] for h in driver.find_elements("css selector", "[role=columnheader]") if h.text}
+        assert "epsilon" in headers and headers["epsilon"] < headers["Dataset"], headers  # left of the attributes
+        assert str(run.data.metrics["epsilon"])[:5] in body  # the run's epsilon in its row
+        # The run, from the printed link: the training view's sidebar (no GenAI pages), its closing line as the
+        # description, epsilon among its metrics, system metrics, the model, the dataset.
+        body = _page(driver, link, "Model registry", "done: eval_accuracy=", "epsilon", "System metrics",
+                     "system/cpu_utilization_percentage", "digits-dp", "train: Synthetic", shot="mlflow-run.png")
+        assert "Evaluation runs" not in body and "Observability" not in body
+        # Its epsilon chart: epsilon against the step, one point per logged line.
+        history = client.get_metric_history(run.info.run_id, "epsilon")
+        _page(driver, f"{url}/#/experiments/{experiment}/runs/{run.info.run_id}/model-metrics{ml}",
+              "digits-dp (epsilon)", "Step", shot="mlflow-epsilon.png")
+        assert (f"{run.info.run_name} (epsilon)", len(history)) in _charts(driver), _charts(driver)
         # The logged model, in the experiment's Models view: epsilon and delta among its metrics, its source run.
         model_id = run.outputs.model_outputs[0].model_id
         _page(driver, f"{url}/#/experiments/{experiment}/models/{model_id}{ml}", "Source run", "digits-dp",

@@ -23,6 +23,10 @@ def test_default_job_end_to_end(tmp_path):
     run = runs[0]
     assert run.info.status == "FINISHED"
     assert run.info.run_id in summary[0]
+    # The link opens the run in MLflow's training view (not the GenAI view a bare link opens).
+    assert summary[0].endswith(f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}, then open "
+                               f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}"
+                               "?workflowType=machine_learning")
     m, params, tags = run.data.metrics, run.data.params, run.data.tags
 
     # The product's promise on the embedded default.

@@ -130,6 +130,19 @@ def test_lm_lora_preset_logs_perplexity_and_keeps_the_adapter(make_cfg, mlflow_u
     for (n, a), (_, b) in zip(result.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(a, b), n
 
+    # The run's MLflow model (mlflow.pytorch: the whole PEFT model, base and adapter, README says why) predicts what
+    # the checkpoint does: the resumed job's model is the base rebuilt from the config with the checkpoint's adapter.
+    import mlflow.pytorch
+
+    (output,) = client.get_run(result.run_id).outputs.model_outputs[:1]
+    logged = client.get_logged_model(output.model_id)
+    assert float(logged.tags["workbench.epsilon"]) == pytest.approx(result.epsilon) and logged.tags["workbench.steps"] == "60"
+    published = mlflow.pytorch.load_model(f"models:/{output.model_id}").eval()
+    assert hf.is_adapter(published) and type(published) is type(resumed.model)
+    tokens = torch.randint(0, 59, (4, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(published(input_ids=tokens).logits, resumed.model.eval()(input_ids=tokens).logits)
+
 
 def test_text_classifier_preset_reaches_its_accuracy(make_cfg):
     from workbench import train

@@ -123,7 +123,9 @@ def test_local_launcher_runs_two_ranks_as_one_job(tmp_path):
     # The closing line an inline run prints, with the job id: delta and the command that opens the MLflow UI.
     (closing,) = [line for line in proc.stdout.splitlines() if line.startswith("done:")]
     assert f"at delta={runs[0].data.metrics['delta']:.1e}" in closing and f"run_id={runs[0].info.run_id}" in closing
-    assert f"job_id={runs[0].data.tags['job_id']}" in closing and closing.endswith(f"mlflow ui --backend-store-uri {uri}")
+    assert f"job_id={runs[0].data.tags['job_id']}" in closing
+    assert closing.endswith(f"mlflow ui --backend-store-uri {uri}, then open http://127.0.0.1:5000/#/experiments/"
+                            f"{runs[0].info.experiment_id}/runs/{runs[0].info.run_id}?workflowType=machine_learning")
 
 
 def test_local_launcher_fails_when_a_rank_fails(tmp_path):

@@ -94,6 +94,10 @@ def test_an_experiment_is_marked_as_model_training_unless_it_has_a_kind(tmp_path
         store.experiment_id(name)
     kinds = {n: client.get_experiment_by_name(n).tags.get("mlflow.experimentKind") for n in ("old", "genai", "new")}
     assert kinds == {"old": "custom_model_development", "genai": "genai_development", "new": "custom_model_development"}
+    # The runs table's shared view (the link's viewStateShareKey=workbench): epsilon is its first column.
+    for name in ("old", "genai", "new"):
+        view = json.loads(client.get_experiment_by_name(name).tags["mlflow.sharedViewState.workbench"])
+        assert view["selectedColumns"][0] == view["columnOrder"][0] == "metrics.`epsilon`"
 
 
 @pytest.mark.parametrize("name", ["", "  ", "a/b", "team:model", "100%", ".."])
@@ -212,3 +216,38 @@ def test_the_published_model_holds_the_trained_weights_and_nothing_of_the_last_b
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(published(x), trained.cpu()(x))
+
+
+def test_models_at_checkpoints_when_asked_each_at_its_step_with_its_epsilon(make_cfg, mlflow_uri, monkeypatch):
+    """tracking.log_model_checkpoints=true: every save_steps checkpoint is also an MLflow model linked to its step, with
+    the epsilon spent by then, holding that checkpoint's weights; the end's model alone is registered."""
+    import mlflow.pytorch
+
+    result = train(make_cfg("experiment=quick", "save_steps=5", "save_total_limit=10", "tracking.log_model_checkpoints=true",
+                            "tracking.register_model=ckpt", "tracking.system_metrics_interval=0"))
+    client = MlflowClient(mlflow_uri)
+    run = client.get_run(result.run_id)
+    outputs = sorted(run.outputs.model_outputs, key=lambda o: o.step)
+    models = [client.get_logged_model(o.model_id) for o in outputs]
+    assert [(o.step, m.name) for o, m in zip(outputs, models)] == [(5, "checkpoint-5"), (10, "checkpoint-10"),
+                                                                   (15, "checkpoint-15"), (20, "model")]
+    epsilon = {m.step: m.value for m in client.get_metric_history(result.run_id, "epsilon")}  # logged every 5 steps
+    for o, m in zip(outputs, models):
+        assert str(m.status).endswith("READY") and m.source_run_id == result.run_id
+        assert float(m.tags["workbench.epsilon"]) == pytest.approx(epsilon[o.step]) and m.tags["workbench.steps"] == str(o.step)
+    assert epsilon[5] < epsilon[10] < epsilon[15] < epsilon[20] == pytest.approx(result.epsilon)
+    (version,) = client.search_model_versions("name='ckpt'")
+    assert version.source == f"models:/{outputs[-1].model_id}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    for o in outputs[:-1]:
+        own = MLP()
+        own.load_state_dict(checkpoint.load(result.output_dir / "checkpoints" / f"checkpoint-{o.step}.pt")["model"])
+        with torch.no_grad():
+            assert torch.equal(mlflow.pytorch.load_model(f"models:/{o.model_id}")(x), own(x)), o.step
+
+
+def test_models_at_checkpoints_need_the_model_logged(make_cfg):
+    with pytest.raises(WorkbenchError, match="tracking.log_model_checkpoints needs tracking.log_model=true") as e:
+        train(make_cfg("experiment=quick", "tracking.log_model_checkpoints=true", "tracking.log_model=false"))
+    assert "\n" not in str(e.value)

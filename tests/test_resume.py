@@ -19,7 +19,7 @@ def _final_model(run_dir):
     return checkpoint.load(checkpoint.list_checkpoints(run_dir)[-1])
 
 
-def test_killed_run_resumes_to_the_same_parameters_and_epsilon(tmp_path):
+def test_killed_run_resumes_to_the_same_parameters_and_epsilon(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {"MLFLOW_TRACKING_URI": uri}
     whole = run_cli(*ARGS, f"output_dir={tmp_path / 'whole'}", cwd=tmp_path, env=env)
@@ -47,6 +47,28 @@ def test_killed_run_resumes_to_the_same_parameters_and_epsilon(tmp_path):
     assert sorted(steps_b) == sorted(steps_a) == sorted(set(steps_b)) == [5, 10, 15, 20]  # no step logged twice
     eps_b = [m.step for m in client.get_metric_history(run_b.info.run_id, "epsilon")]
     assert sorted(eps_b) == sorted(set(eps_b)) and 20 in eps_b
+
+    # One MLflow model, logged at the resumed job's end with the final epsilon; it predicts what the final checkpoint
+    # does, loaded as mlflow.pytorch and as a pyfunc.
+    import mlflow.pyfunc
+    import mlflow.pytorch
+    import numpy as np
+
+    from workbench.models import MLP
+
+    (output,) = run_b.outputs.model_outputs
+    logged = client.get_logged_model(output.model_id)
+    assert logged.source_run_id == run_b.info.run_id and output.step == 20
+    assert float(logged.tags["workbench.epsilon"]) == run_b.data.metrics["epsilon"] and logged.tags["workbench.steps"] == "20"
+    own = MLP()
+    own.load_state_dict(b["model"])
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # models:/ is read from the process's tracking URI
+    with torch.no_grad():
+        expected = own(x)
+        assert torch.equal(mlflow.pytorch.load_model(f"models:/{output.model_id}")(x), expected)
+        predicted = mlflow.pyfunc.load_model(f"models:/{output.model_id}").predict(x.numpy())
+    assert np.array_equal(np.asarray(predicted), expected.numpy())
 
 
 def test_a_truncated_checkpoint_is_named_and_the_run_resumes_from_the_newest_intact_one(tmp_path):

@@ -56,7 +56,7 @@ def test_the_old_import_paths_name_the_same_objects():
     import workbench.tracking as tracking
     from workbench.tracking import outbox, redaction, runs, store, tracker, upload, uris, worker
 
-    homes = {uris: ["tracking_uri", "ui_command", "uri_problem", "reachable", "URI_SCHEMES", "FAST_FAIL_ENV",
+    homes = {uris: ["tracking_uri", "ui_command", "ui_link", "uri_problem", "reachable", "URI_SCHEMES", "FAST_FAIL_ENV",
                     "CHECK_TIMEOUT"],
              redaction: ["flatten", "scrub", "redacted"],
              runs: ["PARENT_TAG", "SWEEP_TAG", "SWEEP_FILE", "sweep_parent", "git_sha"],

@@ -94,6 +94,12 @@ def test_server_killed_for_good_spools_and_syncs_later(server, tmp_path):
     assert {"config.yaml", "checkpoints", "training_curves.png"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
     assert run.data.metrics["steps"] == 40
     assert not (tmp_path / "run" / "tracking-spool").exists()
+    # The model the job logged at its end went through the spool too: READY, with the run's final epsilon.
+    (output,) = run.outputs.model_outputs
+    logged = client.get_logged_model(output.model_id)
+    assert str(logged.status).endswith("READY") and logged.source_run_id == run.info.run_id and output.step == 40
+    assert float(logged.tags["workbench.epsilon"]) == run.data.metrics["epsilon"]
+    assert "workbench.model_error" not in run.data.tags
 
 
 @pytest.mark.slow

@@ -25,3 +25,17 @@ def test_unusable_tracking_store_is_refused_before_any_work(tmp_path, args, mess
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert not Path("/no/such/dir").exists()  # MLflow would have created a mistyped folder
+
+
+def test_the_ui_link_opens_mlflows_training_view_on_the_run_or_the_runs_table():
+    """MLflow 3.17's UI picks its view by ``workflowType`` in the link (the experiment's kind tag does not switch it),
+    and shows the runs table's metric columns from a shared view named by ``viewStateShareKey``."""
+    from workbench.tracking import ui_command
+
+    ml = "workflowType=machine_learning"
+    assert ui_command("http://host:5000/", "3", "abc") == f"open http://host:5000/#/experiments/3/runs/abc?{ml}"
+    assert ui_command("https://host", "3") == f"open https://host/#/experiments/3/runs?viewStateShareKey=workbench&{ml}"
+    assert ui_command("sqlite:////tmp/m.db", "3", "abc") == (
+        f"mlflow ui --backend-store-uri sqlite:////tmp/m.db, then open http://127.0.0.1:5000/#/experiments/3/runs/abc?{ml}")
+    assert ui_command("sqlite:////tmp/m.db") == (
+        f"mlflow ui --backend-store-uri sqlite:////tmp/m.db, then open http://127.0.0.1:5000/#/experiments?{ml}")

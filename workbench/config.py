@@ -74,16 +74,15 @@ class TrackingConfig:
     experiment_name: str = "workbench"
     run_name: Optional[str] = None
     log_checkpoints: bool = True
-    # Seconds the end of a run waits for a slow or dead server; then what is unsent goes to <output_dir>/tracking-spool/
-    # (upload it later with `python -m workbench.tracking sync <output_dir>`).
+    # Seconds the end of a run waits for a dead server; then unsent calls go to <output_dir>/tracking-spool/ (sync)
     flush_timeout: float = 30.0
     tags: Dict[str, str] = field(default_factory=dict)
     log_model: bool = True  # the trained model as the run's MLflow model, the privacy budget as its tags
+    log_model_checkpoints: bool = False  # also at each save_steps checkpoint: an MLflow model at its step and epsilon
     register_model: Optional[str] = None  # NAME: also a new version of registered model NAME (budget as version tags)
     system_metrics_interval: float = 10.0  # seconds between MLflow's system-metrics samples on rank 0; 0: off
-    # Set by launchers and sweeps, rarely by hand: continue this MLflow run; the multirun folder (-> parent run).
-    run_id: Optional[str] = None
-    sweep_dir: Optional[str] = None
+    run_id: Optional[str] = None  # set by launchers, rarely by hand: continue this MLflow run
+    sweep_dir: Optional[str] = None  # set by sweeps: the multirun folder (-> the parent run)
 
 
 @dataclass
@@ -351,8 +350,9 @@ def validate(cfg: DictConfig) -> None:
     name = cfg.tracking.register_model  # a name the Model Registry takes (MLflow refuses others only at the end)
     if name is not None and (not str(name).strip() or any(c in str(name) for c in "/:%\\") or str(name) == ".."):
         raise WorkbenchError(f"tracking.register_model={name!r} is not a registered model name: none of / : % \\")
-    if name is not None and not cfg.tracking.log_model:
-        raise WorkbenchError("tracking.register_model needs tracking.log_model=true (it registers the logged model)")
+    asks = "register_model" if name is not None else "log_model_checkpoints" if cfg.tracking.log_model_checkpoints else 0
+    if asks and not cfg.tracking.log_model:
+        raise WorkbenchError(f"tracking.{asks} needs tracking.log_model=true (it logs the model)")
 
 
 def record_choices(cfg: DictConfig, choices: Dict[str, Any]) -> None:

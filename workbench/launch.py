@@ -228,7 +228,8 @@ def submit(cfg: DictConfig) -> Any:
         raise WorkbenchError(message) from None
     main = next(r for r in results if r["rank"] == 0)
     print(closing_line(main["metrics"], main["epsilon"], main["delta"], main["steps"], main["run_id"],
-                       main["tracking_uri"], job_id=job.job_id, audit=main["audit"]), flush=True)
+                       main["tracking_uri"], job_id=job.job_id, audit=main["audit"],
+                       experiment_id=tracker.experiment_id), flush=True)
     tracker.finish_if_running("FINISHED")  # the job ended its run; this sends what the launcher queued, then closes
     return main
 

@@ -59,7 +59,8 @@ class TrainResult:
 
 
 def closing_line(metrics: dict[str, float], epsilon: float | None, delta: float | None, steps: int,
-                 run_id: str | None, uri: str | None, job_id: str | None = None, audit: AuditResult | None = None) -> str:
+                 run_id: str | None, uri: str | None, job_id: str | None = None, audit: AuditResult | None = None,
+                 experiment_id: str | None = None) -> str:
     """The one line every launcher (inline, local, SLURM) ends a job with."""
     parts = [f"{k}={v:.4f}" for k, v in metrics.items()]
     if epsilon is not None:
@@ -70,7 +71,7 @@ def closing_line(metrics: dict[str, float], epsilon: float | None, delta: float 
     if job_id is not None:
         parts.append(f"job_id={job_id}")
     if run_id:
-        parts.append(f"run_id={run_id} | {ui_command(uri)}")
+        parts.append(f"run_id={run_id}" + (f" | {ui_command(uri, experiment_id, run_id)}" if uri else ""))
     return "done: " + " ".join(parts)
 
 
@@ -212,12 +213,18 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
             if d.should_save:
                 last_saved[0] = checkpoint.save(snapshot, output_dir, step, cfg.save_total_limit)
 
+    def save_in_loop(step: int) -> None:  # a save_steps checkpoint; with tracking.log_model_checkpoints, its model too
+        save(step)
+        if d.is_main and cfg.tracking.log_model_checkpoints:
+            eps = plan.epsilon(step) if plan.private else None
+            _log_model(cfg, tracker, model, plan, eps, step, f"checkpoint-{step}")
+
     evaluator = None
     if job.eval_loader is not None:
         evaluator = Evaluator(model, job.criterion, job.eval_loader, d, job.metrics_fn, cfg.eval_use_gather_object,
                               cfg.batch_eval_metrics, job.autocast_dtype)
     trainer = Trainer(LoopConfig.of(cfg, job.start_step, d.should_log), d, plan, model, job.step_fn, job.optimizer,
-                      job.scheduler, job.loader, evaluator or (lambda: {}), tracker, save, job.callbacks)
+                      job.scheduler, job.loader, evaluator or (lambda: {}), tracker, save_in_loop, job.callbacks)
     try:
         steps = trainer.fit()
     except Exception as e:
@@ -266,7 +273,8 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
             _log_model(cfg, tracker, model, plan, epsilon, steps)
     uri = tracker.uri if run_id else None
     if d.is_main:  # the other ranks have no tracker URI to name
-        line = closing_line(metrics, epsilon, delta, steps, run_id, uri, audit=found)
+        line = closing_line(metrics, epsilon, delta, steps, run_id, uri, audit=found,
+                            experiment_id=tracker.experiment_id)
         tracker.set_tags({NOTE_TAG: line})  # the run's description in MLflow's UI
     tracker.finish("FINISHED")
     if d.is_main:
@@ -305,9 +313,11 @@ def _run_inputs(cfg: DictConfig, job: Job) -> list[dict]:
     return out
 
 
-def _log_model(cfg: DictConfig, tracker, model: nn.Module, plan, epsilon: float | None, steps: int) -> None:
-    """The trained model as the run's MLflow model (pickled here, logged where the tracking store runs), the privacy
-    budget as its metadata; a model that cannot be pickled is a warning and a tag, never a failed run."""
+def _log_model(cfg: DictConfig, tracker, model: nn.Module, plan, epsilon: float | None, steps: int,
+               name: str = "model") -> None:
+    """The trained model as the run's MLflow model `name` at step `steps` (pickled here, logged where the tracking
+    store runs), the privacy budget as its metadata; the end's model ("model") alone is registered. A model that
+    cannot be pickled is a warning and a tag, never a failed run."""
     privacy_meta = {"private": plan.private, "steps": steps, "privacy_unit": "example" if plan.private else None}
     if plan.private:
         privacy_meta.update(epsilon=epsilon, delta=plan.delta, accountant=cfg.privacy.accountant,
@@ -327,5 +337,5 @@ def _log_model(cfg: DictConfig, tracker, model: nn.Module, plan, epsilon: float 
             log.warning("the trained model cannot be logged as an MLflow model: %s", message)
             tracker.set_tags({"workbench.model_error": message})
             return
-        tracker.log_model(path, {"name": "model", "step": steps, "privacy": privacy_meta,
-                                 "register": cfg.tracking.register_model})
+        tracker.log_model(path, {"name": name, "step": steps, "privacy": privacy_meta,
+                                 "register": cfg.tracking.register_model if name == "model" else None})

@@ -193,8 +193,9 @@ def summarise(tracker: MlflowTracker, state: dict) -> dict:
         metric = next(iter(s["metrics"]), None)
         if metric in finished and "epsilon" in finished and finished[metric].notna().any():
             tracker.log_figure(frontier(finished, metric), "frontier.png")
-    children = tracker.client.search_runs([tracker.client.get_run(tracker.run_id).info.experiment_id],
-                                          f"tags.`mlflow.parentRunId` = '{tracker.run_id}'", max_results=50_000)
+    experiment_id = tracker.client.get_run(tracker.run_id).info.experiment_id
+    children = tracker.client.search_runs([experiment_id], f"tags.`mlflow.parentRunId` = '{tracker.run_id}'",
+                                          max_results=50_000)
     summary["parent_status"] = end_parent(tracker.client, tracker.run_id, children)
     parts = [f"sweep done: {summary['points']} points ({summary['points_finished']} FINISHED, "
              f"{summary['points_failed']} FAILED)", *best_parts]
@@ -204,6 +205,7 @@ def summarise(tracker: MlflowTracker, state: dict) -> dict:
                                f"{cost.get('sweep_epsilon_best_rdp', math.nan):.3f})" for _ in [0]
                                if "sweep_epsilon_best_profile" in cost)
                      + f" at delta={cost['sweep_delta']:.1e}")
-    parts.append(f"parent run_id={tracker.run_id} | {ui_command(tracker.uri or tracking_uri(None))}")
+    link = ui_command(tracker.uri or tracking_uri(None), experiment_id, tracker.run_id)
+    parts.append(f"parent run_id={tracker.run_id} | {link}")
     print(" | ".join(parts), flush=True)
     return {**summary, "table": table, "notes": notes, **{f"tag:{k}": v for k, v in tags.items()}}

@@ -26,7 +26,7 @@ from workbench.tracking.store import STORE_CALLS, Store, _retry, init_store, log
 from workbench.tracking.tracker import FLUSH_WAIT, MlflowTracker, NullTracker, end_if_abandoned, make_tracker
 from workbench.tracking.upload import sync
 from workbench.tracking.uris import (CHECK_TIMEOUT, FAST_FAIL_ENV, URI_SCHEMES, reachable, tracking_uri, ui_command,
-                                     uri_problem)
+                                     ui_link, uri_problem)
 from workbench.tracking.worker import RANK_ENV, RANK_ENV_PREFIXES, WorkerStore, prestart, serve
 
 __all__ = ["CHECK_TIMEOUT", "FAST_FAIL_ENV", "FLUSH_WAIT", "PARENT_TAG", "RANK_ENV", "RANK_ENV_PREFIXES", "RETRY_MAX",
@@ -34,7 +34,7 @@ __all__ = ["CHECK_TIMEOUT", "FAST_FAIL_ENV", "FLUSH_WAIT", "PARENT_TAG", "RANK_E
            "NullTracker", "Outbox", "Store", "StoreError", "WorkerStore", "end_if_abandoned", "flatten", "git_sha",
            "init_store", "logged_until", "main", "make_tracker", "only_new", "permanent", "prestart", "reachable",
            "read_spool", "redacted", "scrub", "send", "serve", "spool_dir", "stage", "sweep_parent", "sync", "tidy",
-           "tracking_uri", "ui_command", "unsent_lines", "unstage", "uri_problem", "write_spool"]
+           "tracking_uri", "ui_command", "ui_link", "unsent_lines", "unstage", "uri_problem", "write_spool"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,10 +5,13 @@ commit, the experiment's kind) by which its UI files and shows a run."""
 from __future__ import annotations
 
 import getpass
+import json
 import logging
 import subprocess
 import sys
 from pathlib import Path
+
+from workbench.tracking.uris import TABLE_VIEW
 
 log = logging.getLogger("workbench.tracking")  # the name its lines have always been logged under
 
@@ -19,6 +22,12 @@ SWEEP_FILE = ".workbench-sweep.json"  # in a sweep's folder: its parent run, wri
 # "Evaluation runs"; this kind opens the model-training view (the values are MLflow's ExperimentKind in its UI code).
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 NOTE_TAG = "mlflow.note.content"  # the run's description in MLflow's UI: the job's closing line
+# MLflow's runs table shows no metric until a user picks its columns; a shared view (an experiment tag its UI loads by
+# the link's viewStateShareKey, workbench/tracking/uris.py) shows the privacy budget and the eval metrics first.
+_COLUMNS = [*(f"metrics.`{m}`" for m in ("epsilon", "delta", "eval_accuracy", "eval_loss")),
+            *(f"attributes.`{a}`" for a in ("Dataset", "Models", "Source"))]
+TABLE_VIEW_TAG = f"mlflow.sharedViewState.{TABLE_VIEW}"
+TABLE_VIEW_STATE = json.dumps({"selectedColumns": _COLUMNS, "columnOrder": _COLUMNS})
 
 
 def git_sha() -> str | None:

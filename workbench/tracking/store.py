@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from workbench.tracking.outbox import StoreError, unstage
-from workbench.tracking.runs import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
+from workbench.tracking.runs import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, TABLE_VIEW_STATE, TABLE_VIEW_TAG
 
 log = logging.getLogger("workbench.tracking")
 
@@ -99,12 +99,14 @@ class Store:
     def experiment_id(self, name: str) -> str:
         def get_or_create() -> str:
             exp = self.client.get_experiment_by_name(name)
-            if exp is not None:
-                if EXPERIMENT_KIND_TAG not in exp.tags:  # made before workbench marked its kind; a user's kind stays
-                    self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+            if exp is not None:  # made before workbench marked it: a user's kind, or view, stays
+                for key, value in ((EXPERIMENT_KIND_TAG, EXPERIMENT_KIND), (TABLE_VIEW_TAG, TABLE_VIEW_STATE)):
+                    if key not in exp.tags:
+                        self.client.set_experiment_tag(exp.experiment_id, key, value)
                 return exp.experiment_id
             try:
-                return self.client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+                return self.client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND,
+                                                                 TABLE_VIEW_TAG: TABLE_VIEW_STATE})
             except Exception:  # noqa: BLE001 - a concurrent point created it first
                 exp = self.client.get_experiment_by_name(name)
                 if exp is None:

@@ -39,6 +39,7 @@ class NullTracker:
     """What every rank but 0 (and tracking.enabled=false) gets."""
 
     run_id: str | None = None
+    experiment_id: str | None = None
     uri: str | None = None
     spooled: Path | None = None  # where unsent tracking calls went, when the server was away at the end
 
@@ -185,7 +186,7 @@ class MlflowTracker(NullTracker):
                     raise
                 raise WorkbenchError(f"MLflow run {run_id} (of the checkpoint or launcher this job continues) is not in "
                                      f"{self.uri}; point tracking.uri at the store that holds it") from None
-        self.run_id = run_id
+        self.run_id, self.experiment_id = run_id, experiment_id
         self.outbox = Outbox(self._send)
         if all_tags:
             self.set_tags(all_tags)

@@ -20,10 +20,32 @@ def tracking_uri(configured: str | None) -> str:
     return uri or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
-def ui_command(uri: str) -> str:
+# MLflow 3.17's UI shows an experiment in its GenAI view unless told otherwise: it picks the view by this query
+# parameter (the sidebar's toggle writes it), not by the experiment's mlflow.experimentKind tag.
+TRAINING_VIEW = "workflowType=machine_learning"
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
+# The experiment's runs table as workbench shows it (epsilon, delta and the eval metrics as its first columns): a view
+# MLflow's UI loads from the experiment tag mlflow.sharedViewState.<key> (workbench/tracking/runs.py writes it).
+TABLE_VIEW = "workbench"
+
+
+def ui_link(uri: str, experiment_id: str | None = None, run_id: str | None = None) -> str:
+    """The page of a run (else its experiment's runs table, else the experiments) in MLflow's training view: on the
+    server at `uri`, or on `mlflow ui` started locally for any other store."""
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else LOCAL_UI
+    if experiment_id and run_id:
+        return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
+    if experiment_id:
+        return f"{base}/#/experiments/{experiment_id}/runs?viewStateShareKey={TABLE_VIEW}&{TRAINING_VIEW}"
+    return f"{base}/#/experiments?{TRAINING_VIEW}"
+
+
+def ui_command(uri: str, experiment_id: str | None = None, run_id: str | None = None) -> str:
+    """How to look at a run: open its link, after starting `mlflow ui` on the store when it is not a server."""
+    link = ui_link(uri, experiment_id, run_id)
     if uri.startswith(("http://", "https://")):
-        return f"open {uri}"
-    return f"mlflow ui --backend-store-uri {uri}"
+        return f"open {link}"
+    return f"mlflow ui --backend-store-uri {uri}, then open {link}"
 
 
 def uri_problem(uri: str) -> str | None:
