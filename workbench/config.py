@@ -40,6 +40,8 @@ PRIVACY_FIELDS = (
     "privacy.enabled", "privacy.accountant", "privacy.target_epsilon", "privacy.target_delta",
     "privacy.noise_multiplier", "privacy.max_grad_norm", "privacy.secure_seed", "data", "audit",
 )
+ADAPTIVE_FIELDS = ("privacy.clipping", "privacy.target_quantile", "privacy.clip_learning_rate",  # digested when
+                   "privacy.clip_count_noise")  # privacy.clipping=adaptive: fixed-C digests stay as they were
 
 
 @dataclass
@@ -49,7 +51,11 @@ class PrivacyConfig:
     target_epsilon: Optional[float] = 8.0
     target_delta: Optional[float] = None  # None: a value below 1/N (see workbench.privacy.default_delta)
     noise_multiplier: Optional[float] = None  # None: calibrated so that target_epsilon is met after all steps
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # C; with clipping=adaptive, the initial C
+    clipping: str = "fixed"  # fixed | adaptive: C follows target_quantile (workbench/privacy/clipping/adaptive.py)
+    target_quantile: float = 0.5  # adaptive: the fraction of examples left unclipped that C aims at
+    clip_learning_rate: float = 0.2  # adaptive: eta_C of the geometric update C <- C exp(-eta_C (b - target_quantile))
+    clip_count_noise: Optional[float] = None  # adaptive: sigma_b, the clipped count's noise; None: expected batch / 20
     grad_sample_mode: str = "auto"  # auto: the fastest mode that supports the model (workbench.privacy.clipping)
     # Replace layers DP-SGD cannot handle by their DP equivalents (workbench.models.prepare_model); false: refuse them.
     fix_model: bool = True
@@ -232,6 +238,8 @@ RANGES = {
     "ddp_timeout": Range(1), "dataloader_num_workers": Range(0), "dataloader_prefetch_factor": Range(1),
     "privacy.target_epsilon": Range(0, low_open=True), "privacy.target_delta": Range(0, 1, low_open=True, high_open=True),
     "privacy.noise_multiplier": Range(0), "privacy.max_grad_norm": Range(0, low_open=True),
+    "privacy.target_quantile": Range(0, 1, low_open=True, high_open=True),
+    "privacy.clip_learning_rate": Range(0, low_open=True), "privacy.clip_count_noise": Range(0, low_open=True),
     "privacy.secure_seed": Range(0, 2**63 - 1),
     "audit.canaries": Range(1), "audit.significance": Range(0, 1, low_open=True, high_open=True),
     "sweep.poisson_mean": Range(0), "sweep.tnb_eta": Range(-1, low_open=True),
@@ -341,6 +349,11 @@ def validate(cfg: DictConfig) -> None:
         raise WorkbenchError(f"privacy.grad_sample_mode={p.grad_sample_mode!r} is unknown; choose one of {', '.join(GRAD_SAMPLE_MODES)}")
     if p.enabled and p.noise_multiplier is None and p.target_epsilon is None:
         raise WorkbenchError("privacy needs privacy.noise_multiplier or privacy.target_epsilon (or privacy.enabled=false)")
+    if p.clipping not in ("fixed", "adaptive"):
+        raise WorkbenchError(f"privacy.clipping={p.clipping!r} is unknown; choose one of fixed, adaptive")
+    if p.enabled and p.clipping == "adaptive" and cfg.audit.enabled:
+        raise WorkbenchError("audit=canaries cannot audit privacy.clipping=adaptive yet: its canaries are made for a "
+                             "fixed C; use privacy.clipping=fixed")
     if p.accountant not in ("pld", "rdp", "prv"):
         raise WorkbenchError(f"privacy.accountant={p.accountant!r} is unknown; choose one of pld, rdp, prv")
     if cfg.bf16 and cfg.fp16:
@@ -414,7 +427,8 @@ def check_writable(path: Path) -> None:
 def privacy_digest(cfg: DictConfig, world_size: int) -> str:
     """A digest of the fields that change the privacy guarantee (see PRIVACY_FIELDS) and the world size."""
     values: dict[str, Any] = {"world_size": world_size}
-    for name in PRIVACY_FIELDS:
+    adaptive = OmegaConf.select(cfg, "privacy.clipping") == "adaptive"
+    for name in PRIVACY_FIELDS + (ADAPTIVE_FIELDS if adaptive else ()):
         value = OmegaConf.select(cfg, name)  # a sub-node resolves its interpolations (${data.task}) against the root
         values[name] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
     return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]

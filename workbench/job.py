@@ -192,9 +192,9 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
 
     trained, trained_criterion = canaries.wrap(model, criterion, p.max_grad_norm) if canaries else (model, criterion)
     step_fn = GradientStep(trained, trained_criterion, d, max_grad_norm=plan.max_grad_norm,
-                           noise_multiplier=plan.noise_multiplier, grad_sample_mode=p.grad_sample_mode,
+                           noise_multiplier=plan.gradient_noise_multiplier, grad_sample_mode=p.grad_sample_mode,
                            max_physical_batch_size=cfg.max_physical_batch_size, autocast_dtype=autocast_dtype,
-                           loss_scale=cfg.fp16_loss_scale if cfg.fp16 else None)
+                           loss_scale=cfg.fp16_loss_scale if cfg.fp16 else None, clip_schedule=plan.clipping)
     # The same examples on every rank: a refusal is raised everywhere alike, before any run exists.
     step_fn.check(loaders.first_examples(train_set, CHECK_EXAMPLES, collator))
     if d.is_main and step_fn.mode_note:  # which mode auto picked, and why faster ones were skipped
@@ -223,6 +223,8 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
             scheduler.load_state_dict(state["scheduler"])
             if plan.private:
                 plan.accountant.load_state_dict(state["accountant"])
+            if plan.adaptive:  # C_t where the checkpoint left it (the digest has the schedule's settings)
+                plan.clipping.load_state_dict(state.get("clipping"))
             start_step, resume_run_id = int(state["step"]), state.get("run_id")
             secret = state["secret"]
             log.info("resuming from %s at step %d", path, start_step)

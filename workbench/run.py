@@ -205,7 +205,8 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
         return {"model": hf.model_state(model), "optimizer": canaries.without_canaries(optimizer) if canaries else optimizer,
                 "scheduler": job.scheduler.state_dict(), "step": step, "run_id": run_id,
                 "privacy_digest": job.digest, "world_size": d.world_size, "secret": job.secret,
-                "accountant": accountant.state_dict() if accountant is not None else None}
+                "accountant": accountant.state_dict() if accountant is not None else None,
+                "clipping": plan.clipping.state_dict() if plan.private else None}
 
     def save(step: int) -> None:
         snapshot = state(step)
@@ -241,6 +242,8 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
         if d.is_main:  # what that epsilon means: the most any membership-inference attack achieves (README)
             bounds = membership_bounds(accountant, steps)
             summary.update(bounds.metrics())
+        if plan.adaptive:  # the C the run ended with, and the gradient's share of the noise
+            summary.update(clip_norm=job.step_fn.clip_norm, gradient_noise_multiplier=plan.gradient_noise_multiplier)
     found = None
     if canaries:
         found = canaries.result(epsilon, delta or privacy.default_delta(plan.shard.population), plan, steps)
@@ -248,6 +251,7 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
     final = {**metrics, **summary}
     if trainer.history.steps and trainer.history.steps[-1] == steps:
         final.pop("epsilon", None)  # already logged at this step by the loop: log each (metric, step) once
+        final.pop("clip_norm", None)
     tracker.log_metrics(final, steps)
     save(steps)
     if d.is_main:

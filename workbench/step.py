@@ -5,6 +5,9 @@ Every logical step, on every rank, whatever its Poisson batch (even empty):
   2. flat per-sample L2 clipping to C (workbench/privacy/clipping/), summed locally into one flat buffer;
   3. Gaussian noise of std sigma*C added by rank 0 alone (workbench/privacy/noise.py), then one all-reduce of that
      buffer, so the noise is in the sum exactly once.
+With adaptive clipping (workbench/privacy/clipping/adaptive.py) C is the schedule's C_t, the buffer has one more slot,
+the shifted count of examples not scaled down, noised by rank 0 in the same place and reduced by the same all-reduce;
+the schedule then moves C from that released count, alike on every rank.
 Step 4, the division by the expected global batch B and the optimizer step, is the loop's (workbench/trainer.py).
 """
 
@@ -23,7 +26,8 @@ from workbench.distributed import Dist
 from workbench.errors import WorkbenchError
 from workbench.models.losses import logits_of
 from workbench.privacy import clipping
-from workbench.privacy.noise import GaussianNoise
+from workbench.privacy.clipping.adaptive import AdaptiveClip, FixedClip
+from workbench.privacy.noise import CountNoise, GaussianNoise
 
 # Opacus' hooks trigger this on every backward of a model whose inputs need no grad: expected, not actionable.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
@@ -40,11 +44,15 @@ class GradientStep:
 
     With ``max_grad_norm=None`` it is the non-private twin: plain summed gradients, no clipping, no noise, through the
     same single all-reduce, so both paths are measured alike.
+
+    ``clip_schedule``: C's schedule (None: fixed ``max_grad_norm``); with an adaptive one, ``noise_multiplier`` is
+    the gradient's raised sigma_g (Mechanism.gradient_noise_multiplier) and the schedule's sigma_b noises the count.
     """
 
     def __init__(self, model: nn.Module, criterion: nn.Module, dist: Dist, *, max_grad_norm: float | None,
                  noise_multiplier: float, grad_sample_mode: str = "hooks", max_physical_batch_size: int = 512,
-                 noise_seed: int = 0, autocast_dtype: torch.dtype | None = None, loss_scale: float | None = None):
+                 noise_seed: int = 0, autocast_dtype: torch.dtype | None = None, loss_scale: float | None = None,
+                 clip_schedule: FixedClip | AdaptiveClip | None = None):
         self.dist, self.criterion, self.autocast_dtype = dist, criterion, autocast_dtype
         # fp16's narrow range needs the loss scaled (bf16 has float32's exponent range and needs none); see _losses
         self.scale = float(loss_scale if loss_scale is not None else
@@ -54,6 +62,8 @@ class GradientStep:
         self.clip, self.sigma, self.mode = max_grad_norm, noise_multiplier, grad_sample_mode
         self.max_physical_batch_size = max_physical_batch_size
         self.private = max_grad_norm is not None
+        self.clip_schedule = (clip_schedule or FixedClip(max_grad_norm)) if self.private else None
+        adaptive = self.private and self.clip_schedule.adaptive
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise WorkbenchError("the model has no trainable parameters")
@@ -74,18 +84,20 @@ class GradientStep:
         device = self.params[0].device
         if autocast_dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise WorkbenchError(f"bf16=true: {torch.cuda.get_device_name(device)} has no bfloat16; use fp16=true")
-        # Gradient sum, then [loss sum, example count]: the step's one collective carries all three.
-        self.flat = torch.zeros(numel + 2, device=device, dtype=self.params[0].dtype)
+        # Gradient sum, then [loss sum, example count] and, adaptive, the shifted clipped count: one collective.
+        self.flat = torch.zeros(numel + 2 + adaptive, device=device, dtype=self.params[0].dtype)
         self.grad_views, offset = [], 0
         for p in self.params:
             self.grad_views.append(self.flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
         self.view_of = {id(p): view for p, view in zip(self.params, self.grad_views)}
         self.numel = numel
-        self.loss_sum, self.count = self.flat[-2], self.flat[-1]  # 0-d views: cheaper to add to than flat[-2]
+        self.loss_sum, self.count = self.flat[numel], self.flat[numel + 1]  # 0-d views: cheaper to add to
         self._update, self._totals = self.flat[:numel], self.flat[numel:]  # views made once, not per step
         self.noise = GaussianNoise(noise_multiplier, max_grad_norm, numel, dist.rank, device, noise_seed) \
             if self.private else None
+        self.unclipped = self.flat[numel + 2] if adaptive else None  # sum of 1[not scaled down] - 1/2, then noised
+        self.count_noise = CountNoise(self.clip_schedule.count_noise, dist.rank, noise_seed) if adaptive else None
 
     def _make(self, mode: str) -> None:
         old = getattr(self, "clipper", None)
@@ -135,6 +147,13 @@ class GradientStep:
         """The secret noise seed, known only once the run's secret is (a resumed run takes its checkpoint's)."""
         if self.noise is not None:
             self.noise.seed = seed
+        if self.count_noise is not None:
+            self.count_noise.seed = seed
+
+    @property
+    def clip_norm(self) -> float | None:
+        """C for the next step (C_t of the adaptive schedule, released); None for the non-private twin."""
+        return self.clip_schedule.value if self.private else None
 
     def check(self, batch: Any) -> None:
         """Before any training, on a real batch: the criterion gives one loss per example, and the strategy's
@@ -192,7 +211,10 @@ class GradientStep:
             p.grad = None
         scale = self.scale
         if self.private:
-            self.clipper.clip = self.clip * scale  # scaled losses, scaled bound: every clip factor is unchanged
+            clip = self.clip_schedule.value  # C, or adaptive clipping's C_t
+            self.clipper.clip = clip * scale  # scaled losses, scaled bound: every clip factor is unchanged
+            self.clipper.unclipped = self.unclipped  # where the clipper counts (None: fixed C, nothing counted)
+            self.noise.clip = clip
         if batch is not None:  # 1-2: per-sample gradients, clipped and summed into the flat buffer
             for micro_batch in self._micro_batches(self._to_device(batch)):
                 if getattr(self.clipper, "checked", True) is False:  # normally check() ran before training
@@ -203,10 +225,14 @@ class GradientStep:
                 self.count.add_(len(losses))
         if self.noise is not None:  # 3: rank 0's noise (privacy/noise.py), every step, whatever the batch
             self.noise.add_(self._update, step, scale)
+        if self.count_noise is not None:  # and the clipped count's, in the same buffer
+            self.count_noise.add_(self.unclipped, step)
         self.dist.all_reduce_(self.flat)
         for p, view in zip(self.params, self.grad_views):
             p.grad = view  # a view into the reduced buffer: no copy; the next step re-zeroes the buffer
-        loss_sum, count = self._totals.tolist()  # one host read for both
+        loss_sum, count, *released = self._totals.tolist()  # one host read for all
+        if released:  # the noised count, identical on every rank: so is the next C
+            self.clip_schedule.update(released[0])
         return loss_sum, count
 
     def divide_(self, expected_batch: float) -> None:

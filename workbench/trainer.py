@@ -209,9 +209,12 @@ class Trainer:
                 if step % loop.logging_steps == 0 or step == self.total_steps:  # as logging_steps() lists them
                     elapsed = time.perf_counter() - window_start
                     loss = window_loss / max(window_count, 1.0)
-                    logger.log(step, {"loss": loss, "learning_rate": self.scheduler.get_last_lr()[0],
-                                      "samples_per_second": window_count / max(elapsed, 1e-9),
-                                      "epoch": step * self.expected_batch / self.population})
+                    line = {"loss": loss, "learning_rate": self.scheduler.get_last_lr()[0],
+                            "samples_per_second": window_count / max(elapsed, 1e-9),
+                            "epoch": step * self.expected_batch / self.population}
+                    if self.mechanism.adaptive:  # C after this step (released: a function of the noised counts)
+                        line["clip_norm"] = self.step_fn.clip_norm
+                    logger.log(step, line)
                     known = schedule.latest(step) if schedule is not None else None  # never waits
                     bar.set_postfix(loss=f"{loss:.4f}", **({"eps": f"{known[1]:.3f}" + ("" if known[0] == step else
                                                                                         f"@{known[0]}")} if known else {}))

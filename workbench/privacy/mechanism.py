@@ -6,6 +6,11 @@ the shard), C, sigma (given, or calibrated to ``target_epsilon`` by the same acc
 steps (cut to the last one within ``target_epsilon``). The run, a sweep bounding its candidates before any trains, the
 step, the loop, the checkpoint and the ``workbench.dp_event`` tag all read :class:`Mechanism`; nothing re-derives q or
 sigma. Other mechanisms (correlated noise, adaptive clipping, user-level units) are other plans of this shape.
+
+Adaptive clipping (``privacy.clipping=adaptive``, clipping/adaptive.py) is such a plan: ``clipping`` is the schedule
+GradientStep asks for C_t, the accountant accounts sigma exactly as for fixed C (the same event), and the gradient
+noise is raised to sigma_g so that the gradient and the noised clipped count together are the Gaussian mechanism of
+multiplier sigma.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from workbench import cache
 from workbench.errors import WorkbenchError
 from workbench.privacy.accounting import (Accountant, calibrate_noise, code_version, default_delta,
                                           validate_privacy_args)
+from workbench.privacy.clipping.adaptive import AdaptiveClip, FixedClip
 from workbench.privacy.noise import GaussianNoise
 from workbench.privacy.sampling import PoissonBatchSampler, Shard
 
@@ -32,15 +38,30 @@ class Mechanism:
     shard_mode: str  # per_rank | global
     world_size: int
     steps: int  # the planned logical steps, within target_epsilon
-    max_grad_norm: float | None = None  # C; None: not private
-    noise_multiplier: float = 0.0  # sigma
+    max_grad_norm: float | None = None  # C (adaptive clipping: the initial C); None: not private
+    noise_multiplier: float = 0.0  # sigma, the accounted multiplier
     delta: float | None = None
     accountant: Accountant | None = None  # of exactly (q, sigma, W, shard_mode); its state is the run's spend so far
     notes: list[str] = field(default_factory=list)  # warnings about doubtful settings, for the user
+    clipping: FixedClip | AdaptiveClip | None = None  # C_t's schedule, asked by the step (None: not private)
+
+    def __post_init__(self) -> None:
+        if self.clipping is None and self.private:
+            self.clipping = FixedClip(self.max_grad_norm)
 
     @property
     def private(self) -> bool:
         return self.accountant is not None
+
+    @property
+    def adaptive(self) -> bool:
+        return self.clipping is not None and self.clipping.adaptive
+
+    @property
+    def gradient_noise_multiplier(self) -> float:
+        """sigma_g, the gradient noise's multiplier: sigma for fixed C; raised for adaptive clipping, so that with the
+        count's noise the mechanism is the Gaussian of multiplier sigma (clipping/adaptive.py)."""
+        return self.clipping.gradient_noise(self.noise_multiplier) if self.private else 0.0
 
     @property
     def sample_rate(self) -> float:
@@ -59,7 +80,7 @@ class Mechanism:
         """The noise a step adds to a flat update of ``numel`` values (None when not private)."""
         if not self.private:
             return None
-        return GaussianNoise(self.noise_multiplier, self.max_grad_norm, numel, rank, device, seed)
+        return GaussianNoise(self.gradient_noise_multiplier, self.clipping.value, numel, rank, device, seed)
 
     def epsilon(self, steps: int) -> float:
         """Epsilon at delta after ``steps`` steps (cached on disk: a rerun reads it back)."""
@@ -70,8 +91,12 @@ class Mechanism:
         if not self.private:
             return {"private": False}
         a = self.accountant
-        return dict(sample_rate=a.sample_rate, noise_multiplier=a.noise_multiplier, world_size=a.world_size,
-                    shard=a.shard, planned_steps=self.steps, delta=self.delta)
+        fields = dict(sample_rate=a.sample_rate, noise_multiplier=a.noise_multiplier, world_size=a.world_size,
+                      shard=a.shard, planned_steps=self.steps, delta=self.delta)
+        if self.adaptive:  # the same event; how its noise is split between the gradient and the count
+            fields.update(clipping="adaptive", gradient_noise_multiplier=self.gradient_noise_multiplier,
+                          clip_count_noise=self.clipping.count_noise)
+        return fields
 
 
 def plan(p: Any, shard: Shard, shard_mode: str, world_size: int, steps: int) -> Mechanism:
@@ -101,4 +126,17 @@ def plan(p: Any, shard: Shard, shard_mode: str, world_size: int, steps: int) -> 
             notes.append(f"the run stops after {budget} of {steps} steps: one more would exceed "
                          f"target_epsilon={p.target_epsilon}")
             steps = budget
-    return Mechanism(shard, shard_mode, world_size, steps, p.max_grad_norm, sigma, delta, accountant, notes)
+    clip = clip_schedule(p, shard.expected_batch)
+    clip.gradient_noise(sigma)  # refused here, before any run exists, when the count's noise is too small
+    return Mechanism(shard, shard_mode, world_size, steps, p.max_grad_norm, sigma, delta, accountant, notes, clip)
+
+
+def clip_schedule(p: Any, expected_batch: int) -> FixedClip | AdaptiveClip:
+    """C's schedule of privacy settings ``p``: fixed C, or adaptive clipping from C = max_grad_norm (clipping/adaptive.py;
+    ``clip_count_noise`` null: the paper's B/20)."""
+    kind = p.get("clipping", "fixed") if hasattr(p, "get") else getattr(p, "clipping", "fixed")
+    if kind == "fixed":
+        return FixedClip(p.max_grad_norm)
+    if kind != "adaptive":
+        raise WorkbenchError(f"privacy.clipping={kind!r} is unknown; choose fixed or adaptive")
+    return AdaptiveClip(p.max_grad_norm, p.target_quantile, p.clip_learning_rate, p.clip_count_noise, expected_batch)

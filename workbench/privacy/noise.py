@@ -1,13 +1,17 @@
 """The noise of DP-SGD (docs/DESIGN.md, step 3): Gaussian noise of standard deviation sigma C added to the clipped
 sum by rank 0 alone, before the step's one all-reduce, so that it is in the cluster-wide sum exactly once. It is drawn
 on every logical step, whatever the batch (an empty Poisson draw releases pure noise), from the secret noise stream
-of (seed, step): a resumed run draws exactly the noise the uninterrupted run would have drawn."""
+of (seed, step): a resumed run draws exactly the noise the uninterrupted run would have drawn.
+
+With adaptive clipping (clipping/adaptive.py) C is the step's C_t, sigma the raised gradient multiplier sigma_g, and
+:class:`CountNoise` adds N(0, sigma_b^2) to the clipped count's slot of the same buffer, from its own secret stream,
+also by rank 0 alone before the same all-reduce."""
 
 from __future__ import annotations
 
 import torch
 
-from workbench.privacy.sampling import NOISE_STREAM, step_generator
+from workbench.privacy.sampling import COUNT_NOISE_STREAM, NOISE_STREAM, step_generator
 
 
 class GaussianNoise:
@@ -29,3 +33,19 @@ class GaussianNoise:
         g = step_generator(self.seed, 0, step, stream=NOISE_STREAM, device=update.device)
         noise = torch.randn(self.numel, generator=g, device=update.device, out=self._buffer)
         update.add_(noise.mul_(self.sigma * self.clip * scale))  # mul_, not add_'s alpha: refuses past float32's range
+
+
+class CountNoise:
+    """Adds N(0, sigma_b^2) to the clipped count (a 0-d slot of the step's flat buffer) on rank 0; nothing elsewhere.
+    Its own stream (``COUNT_NOISE_STREAM``) of the run's secret noise seed: independent of the gradient's noise, and
+    replayed exactly by a resumed run. Not multiplied by the loss scale: the count is not a gradient."""
+
+    def __init__(self, std: float, rank: int, seed: int = 0):
+        self.std, self.rank, self.seed = std, rank, seed
+        self.adds = self.std > 0 and self.rank == 0
+
+    def add_(self, slot: torch.Tensor, step: int) -> None:
+        if not self.adds:
+            return
+        g = step_generator(self.seed, 0, step, stream=COUNT_NOISE_STREAM, device=slot.device)
+        slot.add_(torch.randn((), generator=g, device=slot.device).mul_(self.std))  # no host read: stays on the device

@@ -17,7 +17,8 @@ import torch
 from workbench.errors import WorkbenchError
 
 SHARDS = ("per_rank", "global")
-SAMPLING_STREAM, NOISE_STREAM = 0, 1  # `stream` of step_generator: the batch draws, the noise draws
+# `stream` of step_generator: the batch draws, the gradient noise, the clipped count's noise (adaptive clipping)
+SAMPLING_STREAM, NOISE_STREAM, COUNT_NOISE_STREAM = 0, 1, 2
 
 
 @dataclass(frozen=True)

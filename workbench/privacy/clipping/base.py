@@ -29,6 +29,18 @@ class Strategy:
     module: nn.Module
     max_batch = 1  # the most examples one accumulate() may get (GradientStep sets max_physical_batch_size): public,
     # so that the floating-point margins (clipping/bound.py) never depend on how many examples were drawn
+    # Adaptive clipping (clipping/adaptive.py): a 0-d slot of the step's buffer that every accumulate() adds
+    # 1[example not scaled down] - 1/2 to, per example; None (fixed C): nothing is counted.
+    unclipped: torch.Tensor | None = None
+
+    def count(self, factor: torch.Tensor, exact: list[float] = ()) -> None:
+        """Add the micro-batch's shifted count of examples not scaled down: ``factor`` the batch path's clip factors
+        (1: the certified bound is within C; the float64 route's rows are 0 there), ``exact`` the float64 route's
+        factors (:func:`~workbench.privacy.clipping.bound.add_exact`). Each term depends on its example alone."""
+        if self.unclipped is None:
+            return
+        within = (factor >= 1.0).sum() + sum(f >= 1.0 for f in exact)
+        self.unclipped.add_(within - 0.5 * len(factor))
 
     def check(self, batch: Any, loss_fn: LossFn) -> None:
         was_training = self.module.training

@@ -214,9 +214,9 @@ class BookKeeping(Strategy):
                 if rows is not None:  # both a and g: either may hold the inf
                     state = rule.prepare(m, [(zero_rows(a, rows), zero_rows(g, rows)) for a, g in calls], n)
                 rule.add_clipped(m, state, factor, view_of)
-        if rows is not None:
-            for k in rows.nonzero().flatten().tolist():
-                add_exact(self._exact_gradient(arrived, k), self.clip, view_of)
+        exact = [] if rows is None else [add_exact(self._exact_gradient(arrived, k), self.clip, view_of)
+                                         for k in rows.nonzero().flatten().tolist()]
+        self.count(factor, exact)  # adaptive clipping only
         return losses.detach()
 
     def _exact_gradient(self, arrived, k: int) -> dict[int, torch.Tensor]:

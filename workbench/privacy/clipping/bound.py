@@ -169,21 +169,23 @@ def zero_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t.masked_fill(rows.view(-1, *[1] * (t.dim() - 1)), 0)
 
 
-def add_exact(grads: dict[int, torch.Tensor], clip: float, view_of: dict[int, torch.Tensor]) -> None:
+def add_exact(grads: dict[int, torch.Tensor], clip: float, view_of: dict[int, torch.Tensor]) -> float:
     """One example's gradient (parameter id -> float64 tensor) clipped in float64 and added: its norm (scaled by its
     largest entry first, so that float64 models' huge gradients do not overflow the squares), factor and scaled values
     are float64, then cast once to the buffer (<= 1 + u per entry, plus subnormal rounding). A gradient that is not
-    finite even in float64 contributes 0 (a function of that example alone, norm 0 <= C)."""
+    finite even in float64 contributes 0 (a function of that example alone, norm 0 <= C). Returns the clip factor
+    (1: not scaled down; 0 for a gradient that is not finite), which adaptive clipping counts."""
     if not grads:
-        return
+        return 1.0
     top = max(float(g.abs().max()) if g.numel() else 0.0 for g in grads.values())
     if top == 0.0 or not math.isfinite(top):  # nothing to add, or not finite even in float64
-        return
+        return 1.0 if top == 0.0 else 0.0
     norm = top * math.sqrt(sum(float((g / top).square().sum()) for g in grads.values()))
     factor = min(1.0, clip / norm)
     for key, g in grads.items():
         view = view_of[key]
         view.add_((g * factor).to(view.dtype))
+    return factor
 
 
 def _flags(*names: str) -> tuple:

@@ -133,10 +133,10 @@ class PerSampleGradients(_Checked):
             for view, gs in flat_samples:  # rows: recomputed alone in float64 below (0 * inf is NaN in the sum)
                 gs = gs if rows is None else zero_rows(gs, rows)
                 view.view(-1).add_(torch.mv(gs.t(), factor.to(gs.dtype)))  # float32 at least, cast when added
-        if rows is not None:
-            for k in rows.nonzero().flatten().tolist():
-                add_exact({id(view): gs[k].double().view_as(view) for view, gs in flat_samples}, self.clip,
-                          {id(view): view for view, _ in flat_samples})
+        exact = [] if rows is None else [
+            add_exact({id(view): gs[k].double().view_as(view) for view, gs in flat_samples}, self.clip,
+                      {id(view): view for view, _ in flat_samples}) for k in rows.nonzero().flatten().tolist()]
+        self.count(factor, exact)  # adaptive clipping only
         for p in self.params:
             p.grad_sample = None
             p.grad = None
