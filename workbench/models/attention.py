@@ -149,16 +149,19 @@ class PerExampleMultiheadAttention(nn.Module):
 
 
 def replace(model: nn.Module) -> list[str]:
-    """Swap every ``nn.MultiheadAttention`` of ``model`` (in place) for :class:`PerExampleMultiheadAttention` with its
-    weights; returns what was swapped, one note each. Encoders stop converting inputs to nested tensors (their fast
+    """Swap every trainable ``nn.MultiheadAttention`` of ``model`` (in place) for
+    :class:`PerExampleMultiheadAttention` with its weights; returns what was swapped, one note each. Encoders stop converting inputs to nested tensors (their fast
     path, which would hand the swapped layer what it was not built for)."""
     notes = []
     for name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
-            if type(child) is nn.MultiheadAttention:  # a subclass may compute otherwise: Opacus' fix decides
-                setattr(parent, child_name, PerExampleMultiheadAttention.from_torch(child))
-                path = f"{name}.{child_name}" if name else child_name
-                notes.append(f"{path}: MultiheadAttention -> PerExampleMultiheadAttention (weights carried)")
+            if type(child) is not nn.MultiheadAttention:  # a subclass may compute otherwise: Opacus' fix decides
+                continue
+            if not any(p.requires_grad for p in child.parameters()):  # frozen: no per-example gradient to take,
+                continue  # and its state dict keeps the names its weights were saved under
+            setattr(parent, child_name, PerExampleMultiheadAttention.from_torch(child))
+            path = f"{name}.{child_name}" if name else child_name
+            notes.append(f"{path}: MultiheadAttention -> PerExampleMultiheadAttention (weights carried)")
     if notes:
         for m in model.modules():
             if isinstance(m, nn.TransformerEncoder):

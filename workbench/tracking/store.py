@@ -151,6 +151,8 @@ class Store:
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
+            # its start and stop are INFO lines on the job's stderr: a failed job must still end in one line
+            logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
             self._monitor = SystemMetricsMonitor(run_id, sampling_interval=interval, tracking_uri=self.uri,
                                                  resume_logging=True)
             self._monitor.start()
