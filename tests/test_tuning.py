@@ -100,3 +100,12 @@ def test_a_candidate_without_noise_or_steps_never_crashes_the_bound():
     assert tuning.random_stopping_epsilon([*runs, (Accountant("pld", 0.02, 0.0), 10)], *args) == math.inf
     assert tuning.profile_epsilon([*runs, (Accountant("pld", 0.5, 0.3), 0)], *args) == tuning.profile_epsilon(runs, *args)
     assert tuning.random_stopping_epsilon([(Accountant("pld", 0.5, 0.3), 0)], *args) == 0.0  # never reads the data
+
+
+def test_the_sweep_cost_math_keeps_its_old_import_path():
+    """It moved from the sweep module to the privacy package; notebooks call it as ``sweep.random_stopping_epsilon``."""
+    from workbench import sweep
+    from workbench.privacy.accounting import tuning
+
+    for name in ("composed_epsilon", "expected_trials", "profile_epsilon", "random_stopping_epsilon"):
+        assert getattr(sweep, name) is getattr(tuning, name)

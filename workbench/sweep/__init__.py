@@ -16,6 +16,8 @@ What a sweep costs is computed by workbench/privacy/accounting/tuning.py (its do
 
 from workbench.sweep.driver import (TUNINGS, SweepCallback, check, draw, draw_trials, finish, job_ended, point_configs,
                                     point_ended, read_state, start, trials_for_point)
+from workbench.privacy.accounting.tuning import (composed_epsilon, expected_trials, profile_epsilon,  # noqa: F401
+                                                 random_stopping_epsilon)  # their old import path (notebooks)
 from workbench.sweep.summary import DP_EVENT_TAG, PENDING_TAG, TERMINAL, summarise
 
 __all__ = ["DP_EVENT_TAG", "PENDING_TAG", "TERMINAL", "TUNINGS", "SweepCallback", "check", "draw", "draw_trials",
