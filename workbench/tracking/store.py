@@ -254,6 +254,8 @@ def log_model(client, run_id: str, path: str, meta: dict) -> None:
         import mlflow.pytorch
 
         model = torch.load(path, map_location="cpu", weights_only=False)
+        # its advice on pickle (that loading one runs code) is a line at the end of every job: README says it once
+        logging.getLogger("mlflow.pytorch").setLevel(logging.ERROR)
         run = _retry(lambda: client.get_run(run_id))
         # Made here, in the run's experiment and with the run's source tags: MLflow's own would file it under the
         # process's active experiment, with this (worker) process as its source.
