@@ -18,14 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 from workbench import cache
 from workbench.errors import WorkbenchError
 from workbench.privacy.accounting import (Accountant, calibrate_noise, code_version, default_delta,
                                           validate_privacy_args)
 from workbench.privacy.clipping.adaptive import AdaptiveClip, FixedClip
-from workbench.privacy.noise import GaussianNoise
 from workbench.privacy.sampling import PoissonBatchSampler, Shard
 
 
@@ -75,12 +73,6 @@ class Mechanism:
     def sampler(self, seed: int, rank: int, start_step: int = 0) -> PoissonBatchSampler:
         """The batches of steps [start_step, steps) on ``rank``, from the secret sampling seed."""
         return PoissonBatchSampler(self.shard, self.steps, seed, rank, start_step)
-
-    def noise(self, numel: int, rank: int, device: torch.device | str, seed: int = 0) -> GaussianNoise | None:
-        """The noise a step adds to a flat update of ``numel`` values (None when not private)."""
-        if not self.private:
-            return None
-        return GaussianNoise(self.gradient_noise_multiplier, self.clipping.value, numel, rank, device, seed)
 
     def epsilon(self, steps: int) -> float:
         """Epsilon at delta after ``steps`` steps (cached on disk: a rerun reads it back)."""
