@@ -155,6 +155,9 @@ def _external_group_mismatch():
         except WorkbenchError as e:
             return str(e)
     finally:
+        # No collective ran: without this barrier a rank can leave while the other is still connecting its mesh
+        # (gloo: "Connection closed by peer" on the slower rank).
+        dist.barrier()
         dist.destroy_process_group()
 
 
