@@ -144,6 +144,16 @@ MUTANTS = (
            "            torch.save(published, path)", "            torch.save(model, path)",
            ("tests/test_mlflow_ui.py::test_the_published_model_holds_the_trained_weights_and_nothing_of_the_last_batch"
             "[hooks]",)),
+    Mutant("private-run-publishes-its-raw-loss", "a private run sends its training loss (an exact statistic of its "
+           "batches, outside epsilon) to MLflow by default", "workbench/trainer.py",
+           "return not self.mechanism.private if chosen is None else bool(chosen)",
+           "return True if chosen is None else bool(chosen)",
+           ("tests/test_trainer.py::test_the_raw_training_loss_reaches_mlflow_only_where_nothing_private_is_lost_or_the_"
+            "user_asked[True-None-False]",)),
+    Mutant("throughput-counts-the-realised-batch", "samples_per_second publishes the realised Poisson batch sizes (a "
+           "noiseless count)", "workbench/trainer.py", "window_steps * self.expected_batch / max(elapsed, 1e-9)",
+           "window_count / max(elapsed, 1e-9)",
+           ("tests/test_trainer.py::test_samples_per_second_counts_expected_examples_never_the_realised_batch",)),
     Mutant("resume-draws-a-fresh-secret", "a resumed unpinned run ignores its checkpoint's secret",
            "workbench/job.py", 'secret = state["secret"]', "secret = secret",
            ("tests/test_resume.py::test_an_unpinned_run_resumes_with_the_secret_of_its_checkpoint",)),

@@ -47,9 +47,9 @@ def test_default_job_end_to_end(tmp_path):
     history = sorted(client.get_metric_history(run.info.run_id, "epsilon"), key=lambda h: h.step)
     assert [h.value for h in history] == sorted(h.value for h in history)  # epsilon only grows
     assert history[-1].step == m["steps"] and history[-1].value == m["epsilon"]
-    loss_steps = [h.step for h in client.get_metric_history(run.info.run_id, "loss")]
-    assert loss_steps == sorted(set(loss_steps)) and len(loss_steps) == 17  # every 10 steps and the last (169)
-    assert [h.step for h in history] == loss_steps  # every log line carries epsilon
+    line_steps = [h.step for h in client.get_metric_history(run.info.run_id, "learning_rate")]
+    assert line_steps == sorted(set(line_steps)) and len(line_steps) == 17  # every 10 steps and the last (169)
+    assert [h.step for h in history] == line_steps  # every log line carries epsilon
     for h in (history[0], history[8]):  # each the true epsilon of its own step, by an independent computation
         acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=DEFAULT_PLD_DISCRETIZATION)
         acc.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(

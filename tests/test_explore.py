@@ -76,10 +76,11 @@ def test_epsilon_curve_monotone(store):
     logged = curve.epsilon  # every log line carries its own step's epsilon
     assert np.isfinite(logged).all() and logged.is_monotonic_increasing and (logged > 0).all()
     assert logged.iloc[-1] == pytest.approx(store.single.epsilon) and store.single.epsilon <= 3
-    assert np.isfinite(curve.loss).all()
+    assert curve.loss.isna().all()  # a private run keeps its raw training loss out of MLflow (tracking.log_train_loss)
     assert curve.epsilon.tolist() == pytest.approx(store.single.history.epsilon, nan_ok=True)
     baseline = explore.sweep_frame(store.parent, store.uri).iloc[-1]
-    assert explore.epsilon_curve(baseline.run_id, store.uri).epsilon.isna().all()
+    baseline_curve = explore.epsilon_curve(baseline.run_id, store.uri)
+    assert baseline_curve.epsilon.isna().all() and baseline_curve.loss.notna().all()  # non-private: its loss is logged
 
 
 def test_plots_return_figures(store, tmp_path):

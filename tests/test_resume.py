@@ -42,8 +42,8 @@ def test_killed_run_resumes_to_the_same_parameters_and_epsilon(tmp_path, monkeyp
     run_a, run_b = runs[str(tmp_path / "whole")], runs[str(tmp_path / "crashed")]
     assert run_b.info.status == "FINISHED" and run_b.info.run_id == b["run_id"]
     assert run_a.data.metrics["epsilon"] == run_b.data.metrics["epsilon"]
-    steps_a = [m.step for m in client.get_metric_history(run_a.info.run_id, "loss")]
-    steps_b = [m.step for m in client.get_metric_history(run_b.info.run_id, "loss")]
+    steps_a = [m.step for m in client.get_metric_history(run_a.info.run_id, "learning_rate")]
+    steps_b = [m.step for m in client.get_metric_history(run_b.info.run_id, "learning_rate")]
     assert sorted(steps_b) == sorted(steps_a) == sorted(set(steps_b)) == [5, 10, 15, 20]  # no step logged twice
     eps_b = [m.step for m in client.get_metric_history(run_b.info.run_id, "epsilon")]
     assert sorted(eps_b) == sorted(set(eps_b)) and 20 in eps_b
@@ -200,7 +200,7 @@ def test_latest_or_new_starts_afresh_then_resumes(make_cfg, mlflow_uri):
     cfg.output_dir = str(first.output_dir)
     again = train(cfg)  # resumes at the end: no step retrained, the same run continued
     assert again.run_id == first.run_id and again.steps == 20
-    assert [m.step for m in MlflowClient(tracking_uri=mlflow_uri).get_metric_history(first.run_id, "loss")] == [5, 10, 15, 20]
+    assert [m.step for m in MlflowClient(tracking_uri=mlflow_uri).get_metric_history(first.run_id, "learning_rate")] == [5, 10, 15, 20]
 
 
 @pytest.mark.slow

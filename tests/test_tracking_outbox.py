@@ -36,7 +36,7 @@ def _wait_for(condition, what: str, proc: subprocess.Popen, limit: float = 240):
     return value
 
 
-def _logged_steps(client: MlflowClient, key: str = "loss") -> list[int]:
+def _logged_steps(client: MlflowClient, key: str = "learning_rate") -> list[int]:
     exp = client.get_experiment_by_name("faults")
     runs = client.search_runs([exp.experiment_id]) if exp else []
     return sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, key)) if runs else []

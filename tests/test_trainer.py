@@ -28,7 +28,7 @@ def test_non_finite_update_stops_the_run_at_its_step_and_keeps_the_last_good_che
     client = MlflowClient(tracking_uri=mlflow_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])
     assert run.info.status == "FAILED"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "learning_rate")] == [1, 2, 3, 4]
     from workbench.checkpoint import list_checkpoints
 
     saved = [p.name for p in list_checkpoints(tmp_path / "run")]
@@ -111,3 +111,45 @@ def test_data_that_turns_bad_past_the_pre_run_check_stops_the_run_in_one_line_na
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])
     assert run.info.status == "FAILED" and f"example {found.group(1)}" in run.data.tags["error"]
+
+
+@pytest.mark.parametrize("private, choice, published", [(True, None, False), (True, True, True), (False, None, True),
+                                                       (False, False, False)])
+def test_the_raw_training_loss_reaches_mlflow_only_where_nothing_private_is_lost_or_the_user_asked(
+        make_cfg, mlflow_uri, private, choice, published):
+    """A private run's training loss is an exact statistic of its sampled batch, outside what epsilon covers: by
+    default it stays on the console and in the result; asked for, it is published and the run says so in a tag."""
+    import math
+
+    from mlflow import MlflowClient
+
+    from workbench import train
+
+    extra = ([] if private else ["privacy=none"]) + ([] if choice is None else [f"tracking.log_train_loss={choice}"])
+    result = train(make_cfg("experiment=quick", *extra))
+    assert len(result.history.loss) == 4 and all(math.isfinite(v) for v in result.history.loss)  # kept in-process
+    run = MlflowClient(tracking_uri=mlflow_uri).get_run(result.run_id)
+    assert ("loss" in run.data.metrics) == published
+    assert run.data.tags.get("non_dp_metrics") == ("loss" if private and published else None)
+    assert {"learning_rate", "samples_per_second", "epoch"} <= set(run.data.metrics)
+
+
+def test_samples_per_second_counts_expected_examples_never_the_realised_batch(make_cfg, mlflow_uri, monkeypatch):
+    """The realised size of a Poisson batch is a count over private data with no noise: the throughput line counts
+    expected examples (steps x B). With the loop's clock ticking one second per reading, every 5-step window of
+    experiment=quick (B = 64) logs exactly 5 x 64, whatever sizes its batches had."""
+    import time
+    from types import SimpleNamespace
+
+    from mlflow import MlflowClient
+
+    import workbench.trainer
+    from workbench import train
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(workbench.trainer, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks)),
+                                                                     monotonic=time.monotonic))
+    result = train(make_cfg("experiment=quick"))
+    history = MlflowClient(tracking_uri=mlflow_uri).get_metric_history(result.run_id, "samples_per_second")
+    assert sorted(m.step for m in history) == [5, 10, 15, 20]
+    assert {m.value for m in history} == {5 * 64.0}

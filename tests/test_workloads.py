@@ -507,7 +507,8 @@ def _scaled_run(scale, batches, *, start_step=0, device="cpu", autocast_dtype=No
     applied, tracker = _Applied(), _Lines()
     # N = 120, B = 12 (q = 0.1), C = 0.5, sigma = 1: the mechanism the loop reads its steps, B and spend from
     mechanism = Mechanism(Shard(range(120), 120, 0.1, 0, 12), "per_rank", 1, steps, 0.5, 1.0, 1e-5, accountant)
-    loop = LoopConfig(start_step, logging_steps=1, eval_steps=0, save_steps=0, progress_bar=False)
+    loop = LoopConfig(start_step, logging_steps=1, eval_steps=0, save_steps=0, progress_bar=False,
+                      log_train_loss=True)  # the tests below read the loss line
     trainer = Trainer(loop, d, mechanism, model, step_fn, optimizer, scheduler, batches[start_step:], lambda: {},
                       tracker, lambda s: None, CallbackList([applied], model, list(model.named_parameters()), steps))
     return SimpleNamespace(trainer=trainer, model=model, step_fn=step_fn, accountant=accountant, applied=applied,
@@ -602,7 +603,7 @@ def test_fp16_job_trains_on_cuda(make_cfg, mlflow_uri):
     assert result.metrics["eval_accuracy"] > 0.8  # float32 reaches 1.0 on this data; chance is 0.1
     client = MlflowClient(tracking_uri=mlflow_uri)
     logged = client.get_run(result.run_id).data.metrics
-    assert "loss" in logged and not {"skipped_steps", "loss_scale"} & set(logged)  # nothing about dropped examples
+    assert "learning_rate" in logged and not {"skipped_steps", "loss_scale"} & set(logged)  # nothing about dropped examples
 
 
 @pytest.mark.gpu

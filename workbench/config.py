@@ -87,6 +87,9 @@ class TrackingConfig:
     log_model_checkpoints: bool = False  # also at each save_steps checkpoint: an MLflow model at its step and epsilon
     register_model: Optional[str] = None  # NAME: also a new version of registered model NAME (budget as version tags)
     system_metrics_interval: float = 10.0  # seconds between MLflow's system-metrics samples on rank 0; 0: off
+    # The raw training loss: None logs it only for non-private runs (a private run's loss is an exact statistic of its
+    # batch, not covered by epsilon); true also for private runs (tagged non_dp_metrics=loss); false never.
+    log_train_loss: Optional[bool] = None
     run_id: Optional[str] = None  # set by launchers, rarely by hand: continue this MLflow run
     sweep_dir: Optional[str] = None  # set by sweeps: the multirun folder (-> the parent run)
 

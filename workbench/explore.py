@@ -110,12 +110,12 @@ def sweep(points: Sequence[Sequence[str]] = DEFAULT_SWEEP, overrides: Sequence[s
 # runs_frame, sweep_frame, sweep_summary and epsilon_curve live in workbench/run_tables.py (the sweep driver reads them too)
 
 def plot_epsilon(run_id: str, tracking_uri: str | None = None):
-    """Epsilon (and training loss) versus step for one run, read back from MLflow (the same picture that every run
+    """Epsilon (and the training loss, where the run published it) versus step for one run, read back from MLflow (the same picture that every run
     logs as its ``training_curves.png`` artifact)."""
     from workbench.plots import training_curves
 
     df = epsilon_curve(run_id, tracking_uri)
-    df = df[df["loss"].notna()]
+    df = df[df["loss"].notna() | df["epsilon"].notna()]
     delta = mlflow_client(tracking_uri).get_run(run_id).data.metrics.get("delta")
     fig = training_curves(SimpleNamespace(steps=df["step"].tolist(), loss=df["loss"].tolist(),
                                           epsilon=df["epsilon"].tolist(), delta=delta))

@@ -13,21 +13,27 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def training_curves(history):
     """What a run logged against the logical step: for a private run epsilon (left axis, one marker per logged line,
-    delta in its label) and the training loss (right axis); for a non-private run the loss alone. ``history`` has
+    delta in its label) and the training loss (right axis) when it was published; for a non-private run the loss alone. ``history`` has
     ``steps``, ``loss``, ``epsilon`` (empty or all NaN: non-private) and optionally ``delta``. Nothing is drawn that was
     not logged: a line logged without epsilon (runs from before every line had one) leaves a gap, not a straight line."""
     epsilon = list(history.epsilon)
     private = any(e == e for e in epsilon)  # NaN != NaN
+    has_loss = any(v == v for v in history.loss)  # a private run publishes its loss only when asked
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
     ax.set_xlabel("step")
-    if not private:
+    delta = getattr(history, "delta", None)
+    label = "epsilon" + (f" (delta = {delta:.1e})" if delta is not None else "")
+    if private and not has_loss:
+        ax.plot(history.steps, epsilon, color="tab:blue", marker=".", label=label)
+        ax.set_ylabel(label, color="tab:blue")
+        ax.set_title("privacy spent (training loss not published: not covered by epsilon)", fontsize=9)
+        ax.legend(loc="lower right", fontsize=8)
+    elif not private:
         ax.plot(history.steps, history.loss, color="tab:orange", marker=".", label="training loss")
         ax.set_ylabel("training loss")
         ax.set_title("training loss (non-private run: no privacy spent)")
         ax.legend(loc="upper right", fontsize=8)
     else:
-        delta = getattr(history, "delta", None)
-        label = "epsilon" + (f" (delta = {delta:.1e})" if delta is not None else "")
         ax.plot(history.steps, epsilon, color="tab:blue", marker=".", label=label)
         ax.set_ylabel(label, color="tab:blue")
         twin = ax.twinx()

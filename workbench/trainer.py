@@ -52,6 +52,7 @@ class History:
     loss: list[float] = field(default_factory=list)
     epsilon: list[float] = field(default_factory=list)  # empty for a non-private run
     delta: float | None = None
+    loss_published: bool = True  # False: the loss stays in this process (a private run's raw loss is not a DP release)
 
 
 class StepLogger:
@@ -64,12 +65,13 @@ class StepLogger:
 
     SEND_INTERVAL = 1.0
 
-    def __init__(self, tracker, schedule: EpsilonSchedule | None, delta: float | None = None):
+    def __init__(self, tracker, schedule: EpsilonSchedule | None, delta: float | None = None,
+                 publish_loss: bool = True):
         import queue
         import threading
 
         self.tracker, self.schedule = tracker, schedule
-        self.history = History(delta=delta if schedule is not None else None)
+        self.history = History(delta=delta if schedule is not None else None, loss_published=publish_loss)
         self._queue: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._error: BaseException | None = None
@@ -108,9 +110,11 @@ class StepLogger:
             if self.schedule is not None:
                 metrics = {**metrics, "epsilon": self.schedule.get(step)}
                 self.history.epsilon.append(metrics["epsilon"])
-            batch.append((metrics, step))
             self.history.steps.append(step)
             self.history.loss.append(metrics["loss"])
+            if not self.history.loss_published:
+                metrics = {k: v for k, v in metrics.items() if k != "loss"}
+            batch.append((metrics, step))
         if batch:
             self.tracker.log_many(batch)
 
@@ -143,11 +147,12 @@ class LoopConfig:
     eval_steps: int = 0  # 0: only at the end
     save_steps: int = 0  # 0: only at the end
     progress_bar: bool = True
+    log_train_loss: bool | None = None  # None: only for a non-private run (see Trainer.publishes_loss)
 
     @classmethod
     def of(cls, cfg, start_step: int, show: bool) -> "LoopConfig":
         return cls(start_step, cfg.logging_steps, cfg.eval_steps or 0, cfg.save_steps or 0,
-                   show and not cfg.disable_tqdm)
+                   show and not cfg.disable_tqdm, cfg.tracking.get("log_train_loss"))
 
 
 class Trainer:
@@ -166,6 +171,14 @@ class Trainer:
         self.total_steps, self.start_step, self.save_fn = mechanism.steps, loop.start_step, save_fn
         self.history = History()
         self.failed_step: int | None = None
+
+    @property
+    def publishes_loss(self) -> bool:
+        """Whether the training loss goes to the tracker. A private run's loss is an exact statistic of its sampled
+        batch, outside what epsilon covers, so it stays on the console and in the result unless the user asks
+        (tracking.log_train_loss=true, and the run is then tagged non_dp_metrics=loss)."""
+        chosen = self.loop.log_train_loss
+        return not self.mechanism.private if chosen is None else bool(chosen)
 
     def _stop_if_not_finite(self, step: int) -> None:
         """Stop on NaN/inf in what the step released: the noised update and the new parameters. Reading them is
@@ -188,8 +201,10 @@ class Trainer:
         schedule = None
         if self.accountant is not None and (self.dist.is_main or not bar.disable):
             schedule = EpsilonSchedule(self.accountant, self.delta, logging_steps(step, self.total_steps, loop.logging_steps))
-        logger = StepLogger(self.tracker, schedule if self.dist.is_main else None, self.delta)
-        window_loss, window_count, window_start = 0.0, 0.0, time.perf_counter()
+        logger = StepLogger(self.tracker, schedule if self.dist.is_main else None, self.delta, self.publishes_loss)
+        if self.mechanism.private and self.publishes_loss:
+            self.tracker.set_tags({"non_dp_metrics": "loss"})
+        window_loss, window_count, window_steps, window_start = 0.0, 0.0, 0, time.perf_counter()
         self.model.train()
         self.callbacks.on_train_begin(step)
         try:
@@ -204,13 +219,14 @@ class Trainer:
                     self.accountant.step()
                 step += 1
                 self._stop_if_not_finite(step)
-                window_loss, window_count = window_loss + loss_sum, window_count + count
+                window_loss, window_count, window_steps = window_loss + loss_sum, window_count + count, window_steps + 1
                 bar.update(1)
                 if step % loop.logging_steps == 0 or step == self.total_steps:  # as logging_steps() lists them
                     elapsed = time.perf_counter() - window_start
                     loss = window_loss / max(window_count, 1.0)
                     line = {"loss": loss, "learning_rate": self.scheduler.get_last_lr()[0],
-                            "samples_per_second": window_count / max(elapsed, 1e-9),
+                            # expected examples (the realised count of a Poisson batch is private)
+                            "samples_per_second": window_steps * self.expected_batch / max(elapsed, 1e-9),
                             "epoch": step * self.expected_batch / self.population}
                     if self.mechanism.adaptive:  # C after this step (released: a function of the noised counts)
                         line["clip_norm"] = self.step_fn.clip_norm
@@ -218,7 +234,7 @@ class Trainer:
                     known = schedule.latest(step) if schedule is not None else None  # never waits
                     bar.set_postfix(loss=f"{loss:.4f}", **({"eps": f"{known[1]:.3f}" + ("" if known[0] == step else
                                                                                         f"@{known[0]}")} if known else {}))
-                    window_loss, window_count, window_start = 0.0, 0.0, time.perf_counter()
+                    window_loss, window_count, window_steps, window_start = 0.0, 0.0, 0, time.perf_counter()
                 if loop.eval_steps and step % loop.eval_steps == 0 and step < self.total_steps:
                     self.tracker.log_metrics(self.evaluator(), step)
                     self.model.train()

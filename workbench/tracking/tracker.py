@@ -235,7 +235,8 @@ class MlflowTracker(NullTracker):
 
     def log_curves(self, history, name: str = "training_curves.png") -> None:
         """The run's training curves (workbench.plots.training_curves of `history`), drawn where they are sent."""
-        self.log_plot("training_curves", name, {"steps": list(history.steps), "loss": list(history.loss),
+        loss = list(history.loss) if history.loss_published else [float("nan")] * len(history.steps)
+        self.log_plot("training_curves", name, {"steps": list(history.steps), "loss": loss,
                                                 "epsilon": list(history.epsilon), "delta": history.delta})
 
     def log_plot(self, plot: str, name: str, data: Mapping[str, Any]) -> None:
