@@ -80,6 +80,12 @@ def test_quick_tour(tmp_path, monkeypatch):
     accuracy = number(text, "eval_accuracy")
     assert accuracy and accuracy[0] > 0.8  # digits at epsilon 3
     assert "world_size=2" in text
+    # adaptive C with the private Adam: C moved from its start, the gradient's sigma raised, the budget unchanged
+    tuned = re.search(r"adaptive: clip_norm=(\S+) \(started at (\S+)\) gradient_noise_multiplier=(\S+) "
+                      r"noise_multiplier=(\S+)\nadaptive: epsilon=(\S+) eval_accuracy=(\S+)", text)
+    assert tuned, "the adaptive-clipping cell printed no result"
+    clip, start, sigma_g, sigma, epsilon, accuracy = map(float, tuned.groups())
+    assert clip > 0 and clip != start and sigma_g > sigma and 0 < epsilon <= target and accuracy > 0.5
     assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}" in text
 
 

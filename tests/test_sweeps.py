@@ -288,3 +288,27 @@ def test_a_launched_job_reports_its_end_to_the_sweep_through_the_hook(make_cfg, 
         raise RuntimeError("the sweep's store is gone")
 
     assert run.train(make_cfg("experiment=quick", "privacy=none", "max_steps=1"), on_end=broken).steps == 1
+
+
+@pytest.mark.slow
+def test_a_sweep_over_adaptive_clipping_and_dp_adamw_composes_each_point_at_its_stated_sigma(tmp_path):
+    """Issue 23's features inside a multirun: fixed versus adaptive C, each with the private Adam. An adaptive point
+    spends what a fixed-C run at its stated sigma spends (the count's noise is paid by raising the gradient's), so the
+    parent's cost of publishing both is dp-accounting's composition of the children's stated sigmas."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = run_cli("-m", "experiment=quick", "privacy.clipping=fixed,adaptive", "optimizer=dp_adamw",
+                   "learning_rate=0.001", "privacy.target_epsilon=3", "disable_tqdm=true", cwd=tmp_path,
+                   env={"MLFLOW_TRACKING_URI": uri})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    client, parents, children = _sweep_runs(uri)
+    assert len(parents) == 1 and len(children) == 2 and parents[0].info.status == "FINISHED"
+    by_mode = {c.data.params["privacy.clipping"]: c for c in children}
+    assert set(by_mode) == {"fixed", "adaptive"}
+    assert {c.data.params["optimizer._target_"] for c in children} == {"workbench.optim.DPAdamW"}
+    fixed, adaptive = by_mode["fixed"].data.metrics, by_mode["adaptive"].data.metrics
+    assert fixed["noise_multiplier"] == adaptive["noise_multiplier"] and fixed["epsilon"] == adaptive["epsilon"] <= 3
+    assert adaptive["gradient_noise_multiplier"] > adaptive["noise_multiplier"] and "clip_norm" not in fixed
+    c_line = client.get_metric_history(by_mode["adaptive"].info.run_id, "clip_norm")
+    assert sorted(m.step for m in c_line) == [5, 10, 15, 20]  # C on every logged line
+    m = parents[0].data.metrics
+    assert m["sweep_epsilon_all"] == pytest.approx(_independent_epsilon_all(children, fixed["delta"]), rel=0.01)

@@ -129,7 +129,9 @@ class GradientStep:
                     raise WorkbenchError(f"grad_sample_mode={self.mode}: {why}" if why and "is not its own" in str(e)
                                          else str(e)) from e
                 reason = (why or str(e).removeprefix(f"grad_sample_mode={self.mode}").lstrip(" :")).split(";")[0]
-                self.skipped.append((self.mode, reason[:200], why))
+                if len(reason) > 200:  # one line per skipped mode: cut at a word, and say it was cut
+                    reason = reason[:200].rsplit(" ", 1)[0] + " ..."
+                self.skipped.append((self.mode, reason, why))
                 self._make(later[0])
         if self.candidates:
             said: dict[str, list[str]] = {}  # one reason, every mode it ruled out
