@@ -5,6 +5,7 @@ preset through the CLI, bit-exact resume, and the one-line refusals."""
 
 import math
 import shutil
+from pathlib import Path
 
 import dp_accounting
 import numpy as np
@@ -184,13 +185,13 @@ def test_the_preset_reports_epsilon_per_user_through_the_cli(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     done = [line for line in proc.stdout.splitlines() if line.startswith("done:")]
     assert len(done) == 1 and "per user" in done[0]
-    assert any(line.startswith("privacy.unit=user: 400 users, examples per user min 1") for line in proc.stdout.splitlines())
+    assert any(line.startswith("privacy.unit=user: 1000 users, examples per user min 1") for line in proc.stdout.splitlines())
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])
     m, tags = run.data.metrics, run.data.tags
     assert tags["privacy_unit"] == "user" and run.info.status == "FINISHED"
     assert '"unit": "user"' in tags["workbench.dp_event"]
-    n_users = len(SyntheticUsers(num_users=400, seed=0).users.unique())
+    n_users = len(SyntheticUsers(num_users=1000, seed=0).users.unique())
     assert m["sample_rate"] == pytest.approx(64 / n_users)  # q over users, not examples
     assert m["delta"] < 1 / n_users and m["epsilon"] <= 8.0
     assert m["epsilon"] == pytest.approx(_direct_epsilon(m["sample_rate"], m["noise_multiplier"], int(m["steps"]),
@@ -208,7 +209,7 @@ def test_a_resumed_user_level_run_ends_bit_exact(make_cfg):
     cfg = make_cfg(*args, "resume_from_checkpoint=latest")
     folder = checkpoint.list_checkpoints(whole.output_dir)
     assert [p.name for p in folder] == ["checkpoint-4.pt", "checkpoint-8.pt", "checkpoint-12.pt"]
-    (tmp := __import__("pathlib").Path(cfg.output_dir)).mkdir(parents=True)
+    (tmp := Path(cfg.output_dir) / folder[1].parent.name).mkdir(parents=True)
     shutil.copy(folder[1], tmp / folder[1].name)  # resume from step 8
     resumed = train(cfg)
     a, b = checkpoint.load(folder[-1]), checkpoint.load(checkpoint.list_checkpoints(resumed.output_dir)[-1])
@@ -236,7 +237,7 @@ def test_bad_user_level_settings_are_one_line_refusals_before_any_work(make_cfg,
         train(cfg)
     assert "\n" not in str(e.value)
     if "nobody" not in says:  # refused by the config check, before the run folder or any data exists
-        assert not __import__("pathlib").Path(cfg.output_dir).exists()
+        assert not Path(cfg.output_dir).exists()
 
 
 def test_mapping_examples_give_their_user_by_field_and_the_model_never_sees_it():

@@ -82,8 +82,8 @@ class SyntheticUsers(ArrayDataset):
     write most examples) and a style of its own (a fixed offset of its inputs). ``users`` holds each example's user
     (``data.user_key=users``)."""
 
-    def __init__(self, num_users: int = 400, zipf: float = 1.1, size_scale: float = 200.0, in_features: int = 64,
-                 num_classes: int = 10, seed: int = 0, spread: float = 1.0, style: float = 0.5):
+    def __init__(self, num_users: int = 1000, zipf: float = 0.9, size_scale: float = 300.0, in_features: int = 64,
+                 num_classes: int = 10, seed: int = 0, spread: float = 5.0, style: float = 1.0):
         g = torch.Generator().manual_seed(1234)  # class centres shared by every split
         centres = torch.randn(num_classes, in_features, generator=g) * 2.0
         g.manual_seed(seed)
