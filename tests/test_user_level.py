@@ -252,3 +252,27 @@ def test_mapping_examples_give_their_user_by_field_and_the_model_never_sees_it()
     assert ids == ["u0", "u1", "u2"] * 2 and "author" not in seen[0]
     index = index_users(ids, cap=1, seed=0)
     assert index.sizes == [2, 2, 2] and index.dropped == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shard", ["per_rank", "global"])
+def test_two_ranks_train_identically_and_account_over_users(tmp_path, mlflow_uri, shard):
+    """W=2 over gloo: the parameters stay identical on both ranks, and epsilon is dp_accounting's for q over users
+    (per_rank: B / N_users_used; global: parallel Poisson at B / (W N_users))."""
+    from mlflow import MlflowClient
+
+    from tests.test_distributed import _direct_epsilon, _train_on_rank
+    from workbench import launch_distributed
+
+    overrides = [f"output_dir={tmp_path}", f"tracking.uri={mlflow_uri}", "experiment=users", "disable_tqdm=true",
+                 f"ddp_shard={shard}", "max_steps=10", "per_device_train_batch_size=32"]
+    (p0, run0, eps0), (p1, run1, eps1) = launch_distributed(_train_on_rank, 2, overrides)
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1)) and run0 == run1 and eps0 == eps1
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])
+    m = run.data.metrics
+    assert run.data.tags["privacy_unit"] == "user"
+    n_users = 1000  # every one of SyntheticUsers' users has at least one example
+    expected_q = 64 / n_users if shard == "per_rank" else 64 / (2 * n_users)
+    assert m["sample_rate"] == pytest.approx(expected_q)
+    assert eps0 == pytest.approx(_direct_epsilon(m, shard, 2), rel=1e-6)
