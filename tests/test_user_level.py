@@ -276,3 +276,43 @@ def test_two_ranks_train_identically_and_account_over_users(tmp_path, mlflow_uri
     expected_q = 64 / n_users if shard == "per_rank" else 64 / (2 * n_users)
     assert m["sample_rate"] == pytest.approx(expected_q)
     assert eps0 == pytest.approx(_direct_epsilon(m, shard, 2), rel=1e-6)
+
+
+class _Rows:
+    """A stand-in for a materialising strategy: its backward leaves the given per-example rows in grad_sample."""
+
+    mode, checked = "hooks", True
+
+    def __init__(self, param, rows):
+        self.params, self.rows, self.module = [param], rows, None
+
+    def _backward(self, batch, loss_fn, checking=True):
+        self.params[0].grad_sample = self.rows
+        return torch.zeros(len(self.rows))
+
+
+@pytest.mark.parametrize("rows, sizes", [
+    (torch.tensor([[3e38, 3e38], [3e38, 3e38], [1.0, 0.0]]), [2, 1]),  # a user's float32 sum overflows
+    (torch.tensor([[1e30, 1.0], [-1e30, 1.0], [2e-45, 0.0]]), [2, 1]),  # a user's examples cancel; a subnormal
+    (torch.tensor([[float("inf"), 0.0], [1.0, 1.0]]), [1, 1]),  # not finite: that user contributes 0, the other C
+])
+def test_adversarial_users_stay_within_the_bound_and_a_finite_one_is_clipped_not_dropped(rows, sizes):
+    from workbench.data.batches import Batch
+    from workbench.privacy.clipping.per_user import PerUser
+
+    param = nn.Parameter(torch.zeros(2))
+    strategy = PerUser(_Rows(param, rows), clip=1.0)
+    strategy.max_batch = 8
+    start = 0
+    for size in sizes:  # each user alone: its own contribution as added
+        buffer = torch.zeros(2)
+        strategy.inner.rows = rows[start:start + size]
+        batch = Batch((), {}, torch.zeros(size))
+        batch.user_sizes = [size]
+        strategy.accumulate(batch, None, {id(param): buffer})
+        mean = rows[start:start + size].double().mean(0)
+        norm = float(torch.linalg.vector_norm(buffer.double()))
+        assert norm <= 1.0 * (1 + RHO)
+        if torch.isfinite(mean).all() and float(torch.linalg.vector_norm(mean)) >= 1.0:
+            assert norm > 1.0 - 1e-5  # clipped to C, never dropped
+        start += size

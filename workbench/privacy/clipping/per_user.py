@@ -64,18 +64,19 @@ class PerUser(Strategy):
             rows = p.grad_sample.reshape(n, -1).to(torch.promote_types(view.dtype, torch.float32))
             mean = torch.zeros(users, rows.shape[1], device=device, dtype=rows.dtype).index_add_(0, segment, rows)
             mean.div_(torch.as_tensor(sizes, device=device, dtype=rows.dtype).unsqueeze(1))
-            per_user.append((view, mean))
+            per_user.append((view, mean, rows))
         batch_bound = max(users, self.max_batch)
         with exact_float32(device):  # the float32 kernels the bound assumes
-            factor, bad = clip_factors([materialised(m, batch_bound) for _, m in per_user], users, self.clip,
+            factor, bad = clip_factors([materialised(m, batch_bound) for _, m, _ in per_user], users, self.clip,
                                        next(iter(view_of.values())).dtype, device)
-            for view, m in per_user:
+            for view, m, _ in per_user:
                 m = m if bad is None else zero_rows(m, bad)
                 view.view(-1).add_(torch.mv(m.t(), factor.to(m.dtype)))
-        if bad is not None:  # those users alone, in float64
+        if bad is not None:  # those users alone, their mean formed again in float64 (a float32 sum may overflow)
             for k in bad.nonzero().flatten().tolist():
-                add_exact({id(view): m[k].double().view_as(view) for view, m in per_user}, self.clip,
-                          {id(view): view for view, _ in per_user})
+                own = segment == k
+                add_exact({id(view): r[own].double().mean(0).view_as(view) for view, _, r in per_user}, self.clip,
+                          {id(view): view for view, _, _ in per_user})
         for p in self.params:
             p.grad_sample = None
             p.grad = None
