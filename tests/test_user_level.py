@@ -316,3 +316,27 @@ def test_adversarial_users_stay_within_the_bound_and_a_finite_one_is_clipped_not
         if torch.isfinite(mean).all() and float(torch.linalg.vector_norm(mean)) >= 1.0:
             assert norm > 1.0 - 1e-5  # clipped to C, never dropped
         start += size
+
+
+def test_a_sweep_plans_a_user_level_point_over_users():
+    """What a sweep reads before any point trains (workbench.job.planned_mechanism): the event over users."""
+    from workbench import compose
+    from workbench.job import planned_mechanism
+
+    fields = planned_mechanism(compose(["experiment=users", "tracking=off"]))
+    assert fields["unit"] == "user" and fields["max_examples_per_user"] == 8
+    assert fields["sample_rate"] == pytest.approx(64 / 1000) and fields["delta"] < 1 / 1000
+
+
+@pytest.mark.slow
+def test_a_sweep_over_the_unit_runs_and_warns_that_its_bound_mixes_units(tmp_path):
+    import warnings
+
+    from workbench import explore
+
+    common = ["experiment=users", "max_steps=5", "disable_tqdm=true", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        explore.sweep([["privacy.unit=user"], ["privacy.unit=example"]], common, sweep_dir=tmp_path / "sweep")
+    messages = [str(w.message) for w in caught if str(w.message).startswith("sweep:")]
+    assert any("protect different units" in m for m in messages), messages
