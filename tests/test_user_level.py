@@ -340,3 +340,14 @@ def test_a_sweep_over_the_unit_runs_and_warns_that_its_bound_mixes_units(tmp_pat
         explore.sweep([["privacy.unit=user"], ["privacy.unit=example"]], common, sweep_dir=tmp_path / "sweep")
     messages = [str(w.message) for w in caught if str(w.message).startswith("sweep:")]
     assert any("protect different units" in m for m in messages), messages
+
+
+def test_the_plots_say_epsilon_is_per_user():
+    from workbench.plots import FIGURES
+
+    fig = FIGURES["training_curves"](steps=[5, 10], loss=[1.0, 0.5], epsilon=[1.0, 2.0], delta=1e-5, unit="user")
+    assert "epsilon per user" in fig.axes[0].get_ylabel()
+    fig = FIGURES["privacy_tradeoff"]([0.001, 0.01, 1.0], [0.01, 0.05, 1.0], 2.0, 1e-5, 0.3, unit="user")
+    assert "per user" in fig.axes[0].get_title() and "user inference" in fig.axes[0].get_title()
+    fig = FIGURES["training_curves"](steps=[5], loss=[1.0], epsilon=[1.0], delta=1e-5)  # example level: as it was
+    assert "per user" not in fig.axes[0].get_ylabel()

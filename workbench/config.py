@@ -380,7 +380,7 @@ def _check_unit(cfg: DictConfig) -> None:
         raise WorkbenchError(f"privacy.unit={p.unit!r} is unknown; choose example or user")
     if p.unit != "user":
         return
-    why = ("privacy.enabled=false (user-level sampling and clipping are a private run's)" if not p.enabled else
+    why = ("privacy.enabled=false (a non-private baseline has no unit: add privacy.unit=example)" if not p.enabled else
            "privacy.clipping=adaptive (its count is per example)" if p.clipping == "adaptive" else
            "audit=canaries (its canaries are examples, not users)" if cfg.audit.enabled else
            "grad_sample_mode=bk (it never forms the per-example gradients a user's mean is made of)"
