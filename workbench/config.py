@@ -40,6 +40,7 @@ PRIVACY_FIELDS = (
     "privacy.enabled", "privacy.accountant", "privacy.target_epsilon", "privacy.target_delta",
     "privacy.noise_multiplier", "privacy.max_grad_norm", "privacy.secure_seed", "data", "audit",
 )
+USER_FIELDS = ("privacy.unit", "privacy.max_examples_per_user")  # digested when privacy.unit=user
 ADAPTIVE_FIELDS = ("privacy.clipping", "privacy.target_quantile", "privacy.clip_learning_rate",  # digested when
                    "privacy.clip_count_noise")  # privacy.clipping=adaptive: fixed-C digests stay as they were
 
@@ -64,6 +65,9 @@ class PrivacyConfig:
     # Set it only to reproduce a run bit for bit: whoever knows it can strip the noise and see the batches, so the
     # reported epsilon does not hold against them. MLflow shows it redacted.
     secure_seed: Optional[int] = None
+    # The unit of privacy: example, or user (workbench/privacy/users.py; data.user_key names each example's user).
+    unit: str = "example"
+    max_examples_per_user: int = 16  # unit=user: k, the most examples a drawn user contributes
 
 
 @dataclass
@@ -243,7 +247,7 @@ RANGES = {
     "privacy.noise_multiplier": Range(0), "privacy.max_grad_norm": Range(0, low_open=True),
     "privacy.target_quantile": Range(0, 1, low_open=True, high_open=True),
     "privacy.clip_learning_rate": Range(0, low_open=True), "privacy.clip_count_noise": Range(0, low_open=True),
-    "privacy.secure_seed": Range(0, 2**63 - 1),
+    "privacy.secure_seed": Range(0, 2**63 - 1), "privacy.max_examples_per_user": Range(1),
     "audit.canaries": Range(1), "audit.significance": Range(0, 1, low_open=True, high_open=True),
     "sweep.poisson_mean": Range(0), "sweep.tnb_eta": Range(-1, low_open=True),
     "sweep.tnb_gamma": Range(0, 1, low_open=True, high_open=True), "sweep.seed": Range(0, SEED_MAX),
@@ -357,6 +361,7 @@ def validate(cfg: DictConfig) -> None:
     if p.enabled and p.clipping == "adaptive" and cfg.audit.enabled:
         raise WorkbenchError("audit=canaries cannot audit privacy.clipping=adaptive yet: its canaries are made for a "
                              "fixed C; use privacy.clipping=fixed")
+    _check_unit(cfg)
     if p.accountant not in ("pld", "rdp", "prv"):
         raise WorkbenchError(f"privacy.accountant={p.accountant!r} is unknown; choose one of pld, rdp, prv")
     if cfg.bf16 and cfg.fp16:
@@ -369,6 +374,29 @@ def validate(cfg: DictConfig) -> None:
     asks = "register_model" if name is not None else "log_model_checkpoints" if cfg.tracking.log_model_checkpoints else 0
     if asks and not cfg.tracking.log_model:
         raise WorkbenchError(f"tracking.{asks} needs tracking.log_model=true (it logs the model)")
+
+
+def _check_unit(cfg: DictConfig) -> None:
+    """privacy.unit=user (workbench/privacy/users.py): what it needs, and what it does not support yet."""
+    p = cfg.privacy
+    if p.unit not in ("example", "user"):
+        raise WorkbenchError(f"privacy.unit={p.unit!r} is unknown; choose example or user")
+    if p.unit != "user":
+        return
+    why = ("privacy.enabled=false (a non-private baseline has no unit: add privacy.unit=example)" if not p.enabled else
+           "privacy.clipping=adaptive (its count is per example)" if p.clipping == "adaptive" else
+           "audit=canaries (its canaries are examples, not users)" if cfg.audit.enabled else
+           "grad_sample_mode=bk (it never forms the per-example gradients a user's mean is made of)"
+           if p.grad_sample_mode == "bk" else None)
+    if why:
+        raise WorkbenchError(f"privacy.unit=user does not support {why}")
+    if OmegaConf.select(cfg, "data.user_key") is None:
+        raise WorkbenchError("privacy.unit=user needs data.user_key: the dataset attribute, example field or "
+                             "_target_ callable giving each example's user")
+    if p.max_examples_per_user > cfg.max_physical_batch_size:
+        raise WorkbenchError(f"privacy.max_examples_per_user={p.max_examples_per_user} is more than "
+                             f"max_physical_batch_size={cfg.max_physical_batch_size}: a user's examples share one "
+                             "micro-batch; raise max_physical_batch_size or lower the cap")
 
 
 def record_choices(cfg: DictConfig, choices: Dict[str, Any]) -> None:
@@ -431,7 +459,8 @@ def privacy_digest(cfg: DictConfig, world_size: int) -> str:
     """A digest of the fields that change the privacy guarantee (see PRIVACY_FIELDS) and the world size."""
     values: dict[str, Any] = {"world_size": world_size}
     adaptive = OmegaConf.select(cfg, "privacy.clipping") == "adaptive"
-    for name in PRIVACY_FIELDS + (ADAPTIVE_FIELDS if adaptive else ()):
+    users = OmegaConf.select(cfg, "privacy.unit") == "user"
+    for name in PRIVACY_FIELDS + (ADAPTIVE_FIELDS if adaptive else ()) + (USER_FIELDS if users else ()):
         value = OmegaConf.select(cfg, name)  # a sub-node resolves its interpolations (${data.task}) against the root
         values[name] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
     return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]

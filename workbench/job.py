@@ -22,13 +22,16 @@ from torch import nn
 from workbench import callbacks as callbacks_
 from workbench import checkpoint, config, distributed
 from workbench.data import loaders
+from workbench.data import users as data_users
 from workbench.data.checks import check_fit
 from workbench.errors import WorkbenchError
 from workbench.models import hf
 from workbench.models.fixing import prepare_model
 from workbench.privacy import mechanism, sampling
+from workbench.privacy import users
 from workbench.privacy.mechanism import Mechanism
 from workbench.step import CHECK_EXAMPLES, GradientStep
+from workbench.user_step import UserGradientStep
 from workbench.trainer import lr_lambda
 from workbench.world_size import planned_world_size
 
@@ -109,11 +112,29 @@ def planned_mechanism(cfg: DictConfig) -> dict[str, Any]:
     launcher asks for. Raises WorkbenchError when the run would be refused."""
     world_size = planned_world_size(cfg)
     _, train_set, _ = training_sets(cfg)
-    return mechanism_of(cfg, loaders.check_dataset(train_set, "training"), 0, world_size).event_fields()
+    train_set, index = user_index(cfg, train_set)
+    return mechanism_of(cfg, loaders.check_dataset(train_set, "training"), 0, world_size, index).event_fields()
 
 
-def mechanism_of(cfg: DictConfig, dataset_size: int, rank: int, world_size: int) -> Mechanism:
-    """The mechanism `cfg` runs on this rank over a training set of ``dataset_size`` examples."""
+def user_index(cfg: DictConfig, train_set: Any) -> tuple[Any, users.UserIndex | None]:
+    """privacy.unit=user: the training set as the model sees it (without a user field) and its users
+    (workbench/privacy/users.py); otherwise the set as it is and None."""
+    if cfg.privacy.unit != "user":
+        return train_set, None
+    key = cfg.data.get("user_key")
+    by_example = _instantiate(key, "data.user_key", _partial_=True) if isinstance(key, DictConfig) else None
+    ids, train_set = data_users.user_ids(train_set, key, by_example)
+    seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
+    return train_set, users.index_users(ids, cfg.privacy.max_examples_per_user, seed)
+
+
+def mechanism_of(cfg: DictConfig, dataset_size: int, rank: int, world_size: int,
+                 index: users.UserIndex | None = None) -> Mechanism:
+    """The mechanism `cfg` runs on this rank over a training set of ``dataset_size`` examples (or ``index``'s users)."""
+    if index is not None:
+        shard = users.user_shard(index, rank, world_size, cfg.ddp_shard, cfg.per_device_train_batch_size)
+        steps = planned_steps(cfg, shard.population, world_size)
+        return users.plan_users(cfg.privacy, index, shard, cfg.ddp_shard, world_size, steps)
     shard = sampling.train_shard(dataset_size, rank, world_size, cfg.ddp_shard, cfg.per_device_train_batch_size)
     return mechanism.plan(cfg.privacy, shard, cfg.ddp_shard, world_size, planned_steps(cfg, shard.population, world_size))
 def build_model(cfg: DictConfig) -> tuple[nn.Module, list[str]]:
@@ -154,6 +175,8 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
     torch.manual_seed(cfg.seed)
     autocast_dtype = _autocast_dtype(cfg, d.device)
     user_train_set, train_set, canaries = training_sets(cfg)
+    user_train_set, index = user_index(cfg, user_train_set)  # unit=user: canaries are refused (config.py)
+    train_set = user_train_set if index is not None else train_set
     user_callbacks = [*(_instantiate(c, "callbacks") for c in cfg.callbacks), *extra_callbacks]
     callbacks_.check(user_callbacks)
     eval_set = _instantiate(config.own_arguments(cfg, "data.eval"), "data.eval") if cfg.data.get("eval") is not None else None
@@ -162,10 +185,16 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
     n = loaders.check_dataset(train_set, "training")
     if eval_set is not None:
         loaders.check_dataset(eval_set, "eval")
-    shard = sampling.train_shard(n, d.rank, d.world_size, cfg.ddp_shard, cfg.per_device_train_batch_size)
+    if index is None:
+        shard = sampling.train_shard(n, d.rank, d.world_size, cfg.ddp_shard, cfg.per_device_train_batch_size)
+    else:
+        shard = users.user_shard(index, d.rank, d.world_size, cfg.ddp_shard, cfg.per_device_train_batch_size)
+        if d.is_main:  # the data check's line (console only: read from the raw data)
+            print(index.describe(), flush=True)
     if shard.dropped:
-        warnings.warn(f"ddp_shard=per_rank drops {shard.dropped} of {n} training examples so that "
-                      f"{d.world_size} ranks get equal shards ({shard.population} used)", stacklevel=1)
+        what = "users" if index is not None else "training examples"
+        warnings.warn(f"ddp_shard=per_rank drops {shard.dropped} of {len(index) if index is not None else n} {what} "
+                      f"so that {d.world_size} ranks get equal shards ({shard.population} used)", stacklevel=1)
     total_steps = planned_steps(cfg, shard.population, d.world_size)
 
     model, fixed = build_model(cfg)
@@ -186,12 +215,14 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
                       d.device, collator)
 
     p = cfg.privacy
-    plan = mechanism.plan(p, shard, cfg.ddp_shard, d.world_size, total_steps)
+    plan = mechanism.plan(p, shard, cfg.ddp_shard, d.world_size, total_steps) if index is None else \
+        users.plan_users(p, index, shard, cfg.ddp_shard, d.world_size, total_steps)
     for message in plan.notes:
         warnings.warn(message, stacklevel=1)
 
     trained, trained_criterion = canaries.wrap(model, criterion, p.max_grad_norm) if canaries else (model, criterion)
-    step_fn = GradientStep(trained, trained_criterion, d, max_grad_norm=plan.max_grad_norm,
+    step_class = GradientStep if index is None else UserGradientStep  # unit=user: users' mean gradients clipped
+    step_fn = step_class(trained, trained_criterion, d, max_grad_norm=plan.max_grad_norm,
                            noise_multiplier=plan.gradient_noise_multiplier, grad_sample_mode=p.grad_sample_mode,
                            max_physical_batch_size=cfg.max_physical_batch_size, autocast_dtype=autocast_dtype,
                            loss_scale=cfg.fp16_loss_scale if cfg.fp16 else None, clip_schedule=plan.clipping)
@@ -240,8 +271,9 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
     if eval_set is not None:
         eval_loader = loaders.eval_loader(eval_set, loaders.eval_shard(len(eval_set), d.rank, d.world_size), cfg,
                                           d.device, collator)
+    loader = loaders.train_loader(train_set, sampler, cfg, d.device, collator)
     return Job(model=model, criterion=criterion, mechanism=plan, step_fn=step_fn, optimizer=optimizer,
-               scheduler=scheduler, loader=loaders.train_loader(train_set, sampler, cfg, d.device, collator),
+               scheduler=scheduler, loader=loader if index is None else data_users.UserBatches(loader),
                eval_loader=eval_loader, metrics_fn=metrics_fn,
                callbacks=callbacks_.CallbackList(user_callbacks, model, named, plan.steps), collator=collator,
                autocast_dtype=autocast_dtype, secret=secret, digest=digest, start_step=start_step,

@@ -22,7 +22,8 @@ def training_curves(history):
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
     ax.set_xlabel("step")
     delta = getattr(history, "delta", None)
-    label = "epsilon" + (f" (delta = {delta:.1e})" if delta is not None else "")
+    unit = " per user" if getattr(history, "unit", "example") == "user" else ""  # privacy.unit=user
+    label = f"epsilon{unit}" + (f" (delta = {delta:.1e})" if delta is not None else "")
     if private and not has_loss:
         ax.plot(history.steps, epsilon, color="tab:blue", marker=".", label=label)
         ax.set_ylabel(label, color="tab:blue")
@@ -46,7 +47,7 @@ def training_curves(history):
     return fig
 
 
-def privacy_tradeoff(fpr, tpr, epsilon: float, delta: float, advantage: float):
+def privacy_tradeoff(fpr, tpr, epsilon: float, delta: float, advantage: float, unit: str = "example"):
     """What a run's epsilon means: the most TPR any membership-inference attack can reach at each FPR (an upper bound,
     workbench/privacy/accounting/tradeoff.py), log-log, against guessing (TPR = FPR); the reported FPRs marked."""
     points = [(a, t) for a, t in zip(fpr, tpr) if a > 0]
@@ -62,7 +63,9 @@ def privacy_tradeoff(fpr, tpr, epsilon: float, delta: float, advantage: float):
     ax.set_yscale("log")
     ax.set_xlabel("false-positive rate (non-members called members)")
     ax.set_ylabel("true-positive rate (members found)")
-    ax.set_title(f"membership inference: the bound at epsilon = {epsilon:.3g}, delta = {delta:.1e}", fontsize=9)
+    who = "user" if unit == "user" else "membership"  # privacy.unit=user: the attack asks whether a user took part
+    ax.set_title(f"{who} inference: the bound at epsilon = {epsilon:.3g}, delta = {delta:.1e}"
+                 + (" per user" if unit == "user" else ""), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()

@@ -60,11 +60,11 @@ class TrainResult:
 
 def closing_line(metrics: dict[str, float], epsilon: float | None, delta: float | None, steps: int,
                  run_id: str | None, uri: str | None, job_id: str | None = None, audit: AuditResult | None = None,
-                 experiment_id: str | None = None) -> str:
-    """The one line every launcher (inline, local, SLURM) ends a job with."""
+                 experiment_id: str | None = None, unit: str = "example") -> str:
+    """The one line every launcher (inline, local, SLURM) ends a job with (``unit``: the unit of privacy)."""
     parts = [f"{k}={v:.4f}" for k, v in metrics.items()]
     if epsilon is not None:
-        parts.append(f"epsilon={epsilon:.3f} at delta={delta:.1e}")
+        parts.append(f"epsilon={epsilon:.3f} at delta={delta:.1e}" + (" per user" if unit == "user" else ""))
     if audit is not None:
         parts.append(f"audit: epsilon>={audit.epsilon_lower_bound:.3f} (ideal {audit.ideal_lower_bound:.3f})")
     parts.append(f"steps={steps}")
@@ -115,6 +115,7 @@ def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | 
                 **source_tags(cfg.launcher.name, sha), **cfg.tracking.tags}
         if job.mechanism.private:
             tags["grad_sample_mode"] = job.step_fn.mode  # what auto picked (its reason: the console's line)
+            tags["privacy_unit"] = _unit(job.mechanism)  # what epsilon protects: one example, or one user
         if job.fixed_modules:
             tags["fixed_modules"] = "; ".join(job.fixed_modules)
         tracker.start({**tags, "status": "running"}, run_id=job.resume_run_id or cfg.tracking.run_id,
@@ -268,17 +269,17 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
                 for f in sorted(Path(tmp).iterdir()):
                     tracker.log_artifact(f, "adapter")
         if trainer.history.steps:  # drawn where it is sent (the tracking worker): matplotlib stays out of this process
-            tracker.log_curves(trainer.history)
+            tracker.log_curves(trainer.history, unit=_unit(plan))  # the plot says what epsilon is of
         if bounds is not None:  # drawn by the tracking worker too (workbench.plots.privacy_tradeoff)
             tracker.log_plot("privacy_tradeoff", "privacy_tradeoff.png", {
                 "fpr": list(bounds.fpr), "tpr": list(bounds.tpr), "epsilon": epsilon, "delta": delta,
-                "advantage": bounds.advantage})
+                "advantage": bounds.advantage, **per_user})
         if cfg.tracking.log_model:
             _log_model(cfg, tracker, model, plan, epsilon, steps)
     uri = tracker.uri if run_id else None
     if d.is_main:  # the other ranks have no tracker URI to name
         line = closing_line(metrics, epsilon, delta, steps, run_id, uri, audit=found,
-                            experiment_id=tracker.experiment_id)
+                            experiment_id=tracker.experiment_id, unit=_unit(plan))
         tracker.set_tags({NOTE_TAG: line})  # the run's description in MLflow's UI
     tracker.finish("FINISHED")
     if d.is_main:
@@ -293,12 +294,18 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
                        audit=found)
 
 
+def _unit(plan) -> str:
+    """The unit of privacy of a mechanism: "user" (workbench/privacy/users.py) or "example"."""
+    return getattr(plan, "unit", "example")
+
+
 def _run_inputs(cfg: DictConfig, job: Job) -> list[dict]:
     """The training and evaluation data as MLflow run inputs, from metadata only: the config's data node (its target
     and arguments: the source), a digest of that node and N (not of the content), N, and for tensor datasets the shape
     and dtype of a row (every row has it). Nothing read from an example."""
     out = []
-    for split, context, loader, count in (("train", "training", job.loader, job.mechanism.shard.population),
+    for split, context, loader, count in (("train", "training", job.loader,
+                                           job.mechanism.shard.population if _unit(job.mechanism) == "example" else None),
                                           ("eval", "eval", job.eval_loader, None)):
         node = cfg.data.get(split) if loader is not None else None
         if node is None:
@@ -322,7 +329,7 @@ def _log_model(cfg: DictConfig, tracker, model: nn.Module, plan, epsilon: float 
     """The trained model as the run's MLflow model `name` at step `steps` (pickled here, logged where the tracking
     store runs), the privacy budget as its metadata; the end's model ("model") alone is registered. A model that
     cannot be pickled is a warning and a tag, never a failed run."""
-    privacy_meta = {"private": plan.private, "steps": steps, "privacy_unit": "example" if plan.private else None}
+    privacy_meta = {"private": plan.private, "steps": steps, "privacy_unit": _unit(plan) if plan.private else None}
     if plan.private:
         privacy_meta.update(epsilon=epsilon, delta=plan.delta, accountant=cfg.privacy.accountant,
                             noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate,

@@ -46,7 +46,7 @@ def _changes_the_mechanism(key: str) -> bool:
 def _cost(runs, state: dict) -> tuple[dict[str, float], list[str]]:
     """sweep_epsilon_all (and _best) from the children's recorded DP events, and the warnings that go with them."""
     s = state["sweep"]
-    notes, events, data = [], [], set()
+    notes, events, data, units = [], [], set(), set()
     for _, row in runs.iterrows():
         event = row.get(f"tags.{DP_EVENT_TAG}")
         if not isinstance(event, str):  # non-private, or failed before it trained (costs nothing)
@@ -60,6 +60,7 @@ def _cost(runs, state: dict) -> tuple[dict[str, float], list[str]]:
         events.append((privacy.Accountant("pld", e["sample_rate"], e["noise_multiplier"], e["world_size"], e["shard"]),
                        steps, e["delta"]))
         data.add(tuple(sorted((k, str(v)) for k, v in row.items() if k.startswith("params.data.train"))))
+        units.add(e.get("unit", "example"))  # privacy.unit=user: workbench/privacy/users.py
     if not events and not (state.get("candidates") and s["tuning"] == "random_stopping"):
         return {}, notes
     if len(data) > 1:
@@ -67,6 +68,10 @@ def _cost(runs, state: dict) -> tuple[dict[str, float], list[str]]:
                      "and one add-or-remove-one neighbour relation shared by every point; across different datasets "
                      "one person's example is not one neighbouring change of every point, so account each dataset's "
                      "points separately")
+    if len(units) > 1:
+        notes.append("the points protect different units (privacy.unit: example and user): their epsilons are not of "
+                     "one neighbour relation, so these composed bounds hold for neither; account each unit's points "
+                     "separately")
     mechanisms, unbounded, deltas = [], [], [d for _, _, d in events]
     if s["tuning"] == "random_stopping":
         mechanisms, unbounded, planned = _candidates(state, events, notes)
