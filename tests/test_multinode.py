@@ -82,6 +82,21 @@ def test_torchrun_env_gives_node_rank_from_group_rank(clean_env):
     assert (env.master_addr, env.master_port) == ("10.0.0.1", 29500)
 
 
+def test_a_submitit_task_that_exported_torchrun_variables_keeps_its_slurm_node(clean_env):
+    """workbench's SLURM job exports submitit's TorchDistributedEnvironment (RANK, LOCAL_RANK, ... but no node rank)."""
+    for name, value in dict(RANK="2", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="node3",
+                            MASTER_PORT="20042", SUBMITIT_EXECUTOR="slurm", SLURM_NODEID="1").items():
+        clean_env.setenv(name, value)
+    env = detect_env()
+    assert (env.rank, env.local_rank, env.node_rank, env.num_nodes, env.master_addr) == (2, 0, 1, 2, "node3")
+
+
+def test_without_a_node_variable_ranks_fill_nodes_in_blocks(clean_env):
+    for name, value in dict(RANK="5", WORLD_SIZE="6", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2").items():
+        clean_env.setenv(name, value)
+    assert (detect_env().node_rank, detect_env().num_nodes) == (2, 3)
+
+
 def test_one_process_is_node_zero_of_one(clean_env):
     env = detect_env()
     assert (env.rank, env.world_size, env.node_rank, env.num_nodes) == (0, 1, 0, 1)

@@ -121,6 +121,17 @@ def _slurm_master_addr() -> str:
         raise WorkbenchError(f"cannot read the master address from SLURM_JOB_NODELIST={nodelist!r}: {e}") from None
 
 
+def _node_rank(rank: int, local_world_size: int) -> int:
+    """The node of a process whose rank came in torchrun's variables: torchrun's GROUP_RANK (its agent's rank), else
+    NODE_RANK, else, in a submitit task (whose job environment exported RANK and friends), SLURM's SLURM_NODEID, else
+    the block layout every launcher here uses (ranks fill a node before the next)."""
+    for name in ("GROUP_RANK", "NODE_RANK") + (("SLURM_NODEID",) if os.environ.get("SUBMITIT_EXECUTOR") else ()):
+        value = _int_env(name)
+        if value is not None:
+            return value
+    return rank // max(1, local_world_size)
+
+
 def detect_env() -> JobEnv:
     """torchrun's env, else submitit's job environment, else SLURM's env, else one process."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -129,10 +140,8 @@ def detect_env() -> JobEnv:
             rank=_int_env("RANK"), world_size=world, local_rank=_int_env("LOCAL_RANK", 0),
             local_world_size=local_world,
             master_addr=os.environ.get("MASTER_ADDR"), master_port=_int_env("MASTER_PORT"), source="torchrun",
-            # torchrun: GROUP_RANK is the node (agent) rank; NODE_RANK is what other launchers (and torchrun's
-            # --node-rank flag's own variable) call it. Node count: torchrun's agents are homogeneous.
-            node_rank=_int_env("GROUP_RANK", _int_env("NODE_RANK", 0)),
-            num_nodes=max(1, world // max(1, local_world)),
+            node_rank=_node_rank(_int_env("RANK"), local_world),
+            num_nodes=max(1, world // max(1, local_world)),  # torchrun's nodes (agents) all run as many processes
         )
     if os.environ.get("SUBMITIT_EXECUTOR"):
         import submitit
