@@ -407,7 +407,8 @@ def two_node_names() -> tp.List[str]:
 
 
 class SlurmCluster:
-    """A single-node SLURM cluster with accounting under ``base_dir``; see the module docstring."""
+    """A SLURM cluster with accounting under ``base_dir``: one node, or with ``nodes=2`` two slurmd daemons on this
+    machine (each node declares the whole machine's CPUs, so the two oversubscribe it); see the module docstring."""
 
     def __init__(
         self, base_dir: tp.Union[str, Path], *, start_timeout: float = 60.0, debug: str = "info", cred_expire: int = 10,

@@ -168,3 +168,111 @@ def test_torchrun_two_nodes_are_one_run_with_node_ranks(tmp_path):
     assert all(r["group_rank"] == str(r["node_rank"]) for r in ranks)
     assert len({r["params"] for r in ranks}) == 1
     assert len(list((tmp_path / "outputs").glob("*/*"))) == 1  # one run folder for the job
+
+
+# --------------------------------------------------------------------------- faults across nodes
+
+LONG_ARGS = ["experiment=quick", "data.train._target_=tests.plugins.SlowSynthetic", "save_steps=5",
+             "disable_tqdm=true", "privacy.secure_seed=99"]
+
+
+def _node_tasks(job_id: str, node: int) -> list[int]:
+    """PIDs of the job's task processes (submitit's workers) that run on node ``node``, found by their environment."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            env = dict(item.split("=", 1) for item in Path(f"/proc/{entry}/environ").read_text().split("\0") if "=" in item)
+            cmdline = Path(f"/proc/{entry}/cmdline").read_text()
+        except OSError:
+            continue
+        if env.get("SLURM_JOB_ID") == job_id and env.get("SLURM_NODEID") == str(node) and "submitit" in cmdline \
+                and "SLURM_STEP_ID" in env:
+            pids.append(int(entry))
+    return pids
+
+
+def _submitted(proc) -> str:
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout.split("submitted job ")[1].split()[0]
+
+
+def test_a_node_lost_mid_run_ends_the_run_failed_on_the_other_node(slurm_two_nodes, tmp_path):
+    """SIGKILL to node 127.0.0.2's tasks mid-run: node 0's ranks fail their next collective (never a hang: the wait
+    below only guards against one) and rank 0 ends the MLflow run FAILED; the job ends FAILED."""
+    import signal
+    import time
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir = tmp_path / "run"
+    proc = run_cli("launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=1", "backend=gloo", "launcher.wait=false",
+                   "ddp_timeout=120", "max_steps=2000", f"output_dir={run_dir}", *LONG_ARGS, cwd=tmp_path,
+                   env={"MLFLOW_TRACKING_URI": uri, "WB_FETCH_SLEEP": "0.2"})
+    job_id = _submitted(proc)
+    from workbench import checkpoint
+
+    while not checkpoint.list_checkpoints(run_dir):  # training runs on both nodes
+        assert slurm_two_nodes.job_state(job_id).split()[0] in ("PENDING", "RUNNING"), slurm_two_nodes.job_state(job_id)
+        time.sleep(0.2)
+    victims = _node_tasks(job_id, 1)
+    assert victims, "node 127.0.0.2's task should be running"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    state = slurm_two_nodes.wait_state(job_id, ("FAILED", "CANCELLED", "COMPLETED", "TIMEOUT", "NODE_FAIL"), timeout=300)
+    assert state.split()[0] == "FAILED", state
+    client, run = _one_run(uri)
+    assert run.info.status == "FAILED", run.info.status
+    assert max(m.step for m in client.get_metric_history(run.info.run_id, "loss")) < 2000  # it stopped mid-run
+
+
+def _train_on_rank(overrides):
+    from workbench import compose, train
+
+    result = train(compose(overrides))
+    return result.epsilon, result.steps
+
+
+def test_a_preempted_two_node_job_requeues_and_resumes_bit_exactly(slurm_two_nodes, tmp_path, monkeypatch):
+    """Preempted mid-run (submitit's USR2 path: checkpoint, scontrol requeue), the 2-node job resumes from its newest
+    checkpoint and ends with the parameters and epsilon of an uninterrupted W=2 run (two local processes)."""
+    import time
+
+    import torch
+
+    from workbench import checkpoint, compose, launch_distributed
+    from workbench.launch import launch
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("WB_FETCH_SLEEP", "0.15")
+    monkeypatch.chdir(tmp_path)
+    args = [*LONG_ARGS, "max_steps=60", "backend=gloo"]
+    # timeout_min > 10: submitit 1.5.4 counts any USR2 in a shorter job as a timeout, not a preemption.
+    cfg = compose([*args, f"output_dir={tmp_path / 'preempted'}", "launcher=slurm", "launcher.nodes=2",
+                   "launcher.tasks_per_node=1", "launcher.wait=false", "launcher.timeout_min=30"])
+    job = launch(cfg)
+    while not checkpoint.list_checkpoints(tmp_path / "preempted"):
+        assert not job.done(), "the job ended without writing its first checkpoint"
+        time.sleep(0.2)
+    job._interrupt()
+    slurm_two_nodes.release_requeued(job.job_id)
+    results = job.results()
+    assert slurm_two_nodes.requeue_count(job.job_id) == 1
+    assert slurm_two_nodes.wait_state(job.job_id, "COMPLETED", timeout=60) == "COMPLETED"
+    assert sorted(r["rank"] for r in results) == [0, 1]
+
+    monkeypatch.setenv("WB_FETCH_SLEEP", "0")
+    (eps, steps), _ = launch_distributed(_train_on_rank, 2, [*args, f"output_dir={tmp_path / 'whole'}"])
+    main = next(r for r in results if r["rank"] == 0)
+    assert main["epsilon"] == eps and main["steps"] == steps == 60
+    a = checkpoint.load(checkpoint.list_checkpoints(tmp_path / "whole")[-1])
+    b = checkpoint.load(checkpoint.list_checkpoints(tmp_path / "preempted")[-1])
+    assert a["step"] == b["step"] == 60 and a["world_size"] == b["world_size"] == 2
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(main["run_id"])
+    assert run.info.status == "FINISHED"
+    steps_logged = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert sorted(steps_logged) == sorted(set(steps_logged)) == list(range(5, 61, 5))
