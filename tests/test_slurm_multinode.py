@@ -69,8 +69,8 @@ def _one_run(uri: str):
 
 
 def _rank_zero_alone_logged(client, run) -> None:
-    """Every rank sees the same loss; had another rank logged too, a step would appear more than once."""
-    history = client.get_metric_history(run.info.run_id, "loss")
+    """Every rank holds the same learning rate at each step; had another rank logged too, a step would appear twice."""
+    history = client.get_metric_history(run.info.run_id, "learning_rate")
     steps = [m.step for m in history]
     assert steps and len(steps) == len(set(steps)), steps
 
@@ -223,7 +223,7 @@ def test_a_node_lost_mid_run_ends_the_run_failed_on_the_other_node(slurm_two_nod
     assert state.split()[0] == "FAILED", state
     client, run = _one_run(uri)
     assert run.info.status == "FAILED", run.info.status
-    assert max(m.step for m in client.get_metric_history(run.info.run_id, "loss")) < 2000  # it stopped mid-run
+    assert max(m.step for m in client.get_metric_history(run.info.run_id, "learning_rate")) < 2000  # it stopped mid-run
 
 
 def _train_on_rank(overrides):
@@ -274,5 +274,5 @@ def test_a_preempted_two_node_job_requeues_and_resumes_bit_exactly(slurm_two_nod
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(main["run_id"])
     assert run.info.status == "FINISHED"
-    steps_logged = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    steps_logged = [m.step for m in client.get_metric_history(run.info.run_id, "learning_rate")]
     assert sorted(steps_logged) == sorted(set(steps_logged)) == list(range(5, 61, 5))
