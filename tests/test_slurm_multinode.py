@@ -51,6 +51,20 @@ class NodeReport:
         }))
 
 
+def eval_in_dataset_order(pred) -> dict:
+    """compute_metrics for experiment=quick: whether the cluster-wide gathered labels are the eval set's, in its order
+    (conf/data/synthetic.yaml: Synthetic(size=512, seed=1)), with no padded duplicates."""
+    import numpy as np
+
+    from workbench.data import Synthetic
+    from workbench.metrics import accuracy
+
+    expected = Synthetic(size=512, in_features=64, num_classes=10, seed=1).tensors[1].numpy()
+    labels = np.asarray(pred.label_ids)
+    return {**accuracy(pred), "gathered": float(len(labels)),
+            "in_dataset_order": float(labels.shape == expected.shape and np.array_equal(labels, expected))}
+
+
 def _reports(folder: Path, world_size: int) -> list[dict]:
     reports = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world_size)]
     assert [r["rank"] for r in reports] == list(range(world_size))
@@ -99,7 +113,8 @@ def test_two_nodes_two_tasks_each_are_one_run_of_world_size_four(slurm_two_nodes
     reports = tmp_path / "reports"
     proc = run_cli("launcher=slurm", "launcher.nodes=2", "launcher.tasks_per_node=2", "backend=gloo",
                    "experiment=quick", f"shard={shard}", f"log_on_each_node={str(log_on_each_node).lower()}",
-                   "disable_tqdm=false", _callback(reports), cwd=tmp_path, env={"MLFLOW_TRACKING_URI": uri})
+                   "disable_tqdm=false", _callback(reports), "compute_metrics=tests.test_slurm_multinode.eval_in_dataset_order",
+                   cwd=tmp_path, env={"MLFLOW_TRACKING_URI": uri})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     job_id = proc.stdout.split("submitted job ")[1].split()[0]
     assert slurm_two_nodes.wait_state(job_id, "COMPLETED", timeout=60) == "COMPLETED"
@@ -115,6 +130,8 @@ def test_two_nodes_two_tasks_each_are_one_run_of_world_size_four(slurm_two_nodes
     assert m["sample_rate"] == pytest.approx(q)
     assert m["epsilon"] == pytest.approx(_direct_epsilon({**m, "sample_rate": q}, shard, 4), rel=1e-6)
     _rank_zero_alone_logged(client, run)
+    # the eval gather over both nodes: every eval example once, in dataset order
+    assert (m["eval_gathered"], m["eval_in_dataset_order"]) == (512, 1.0), {k: v for k, v in m.items() if "eval" in k}
 
     ranks = _reports(reports, 4)
     assert [(r["slurmd"], r["node_rank"], r["local_rank"]) for r in ranks] == [
