@@ -167,7 +167,8 @@ def test_torchrun_two_nodes_are_one_run_with_node_ranks(tmp_path):
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}",
          "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=wbtest", "-m", "workbench",
-         "backend=gloo", "experiment=quick", "disable_tqdm=true", _callback(reports)],
+         "backend=gloo", "experiment=quick", "disable_tqdm=false", _callback(reports),
+         "compute_metrics=tests.test_slurm_multinode.eval_in_dataset_order"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
     outputs = [a.communicate(timeout=600) for a in agents]
     for agent, (out, err) in zip(agents, outputs):
@@ -179,6 +180,9 @@ def test_torchrun_two_nodes_are_one_run_with_node_ranks(tmp_path):
     q = 64 * 2 / 2048
     assert m["epsilon"] == pytest.approx(_direct_epsilon({**m, "sample_rate": q}, "per_rank", 2), rel=1e-6)
     _rank_zero_alone_logged(client, run)
+    assert (m["eval_gathered"], m["eval_in_dataset_order"]) == (512, 1.0)
+    # log_on_each_node=true (the default): each node's one process is its local rank 0, so both show progress
+    assert all("train: 100%" in err for _, err in outputs), [err[-500:] for _, err in outputs]
     ranks = _reports(reports, 2)
     # rendezvous decides which agent is which node; each process's node rank is its agent's GROUP_RANK
     assert sorted((r["node_rank"], r["local_rank"], r["num_nodes"]) for r in ranks) == [(0, 0, 2), (1, 0, 2)]
