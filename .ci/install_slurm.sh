@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Idempotently install a single-node SLURM with accounting (Debian/Ubuntu, run as root).
+# Idempotently install SLURM with accounting (Debian/Ubuntu, run as root): the packages serve the one-node test
+# cluster and the two-node one alike (two slurmd -N daemons named 127.0.0.1 and 127.0.0.2: no MULTIPLE_SLURMD build
+# and no network namespaces needed, see tests/slurm_cluster.py two_node_names).
 # Fast no-op when every package is already installed. Used by CI before pytest;
 # tests/slurm_cluster.py brings the daemons up and down itself.
 set -euo pipefail

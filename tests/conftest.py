@@ -47,16 +47,16 @@ def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300
                           timeout=timeout)
 
 
-from tests.slurm_cluster import slurm_cluster  # noqa: E402,F401  (session-scoped: a real SLURM with accounting)
+from tests.slurm_cluster import slurm_cluster, slurm_two_nodes  # noqa: E402,F401  (a real SLURM with accounting: one node, session-scoped; two nodes, module-scoped)
 from tests.mlflow_server import mlflow_server, server  # noqa: E402,F401  (a real `mlflow server` a test can kill)
 
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k deselection: count only the SLURM tests this session runs
 def pytest_collection_modifyitems(config, items):
-    from tests.slurm_cluster import REQUIRE_ENV, slurm_available
+    from tests.slurm_cluster import REQUIRE_ENV, SLURM_FIXTURES, slurm_available
 
-    slurm_items = [item for item in items if "slurm_cluster" in getattr(item, "fixturenames", ())]
+    slurm_items = [item for item in items if set(SLURM_FIXTURES) & set(getattr(item, "fixturenames", ()))]
     config.stash[_SLURM_TESTS] = [item.nodeid for item in slurm_items]
     if slurm_items:
         ok, reason = slurm_available()

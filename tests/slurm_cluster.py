@@ -39,6 +39,12 @@ inherit the submitter's environment (sbatch ``--export=ALL``), so ``scontrol`` i
 ``cluster.executor(folder, **params)`` returns an explicit ``submitit.SlurmExecutor`` (never AutoExecutor) whose jobs
 get ``PYTHONPATH=<repo root>`` so functions defined in ``tests.*`` modules unpickle in the job.
 
+Two nodes on one machine: ``SlurmCluster(base, nodes=2)`` (pytest: the module-scoped ``slurm_two_nodes`` fixture)
+runs two ``slurmd -N <name>`` daemons, nodes ``127.0.0.1`` and ``127.0.0.2``, each with its own port, spool, pid and
+log file, in one partition; the installed SLURM has no MULTIPLE_SLURMD build, so the nodes differ by name and address
+rather than by port alone (:func:`two_node_names` says why). ``srun -N 2`` / ``nodes=2`` jobs then see
+``SLURM_JOB_NODELIST=127.0.0.[1-2]``, ``SLURM_NODEID`` 0 and 1, and master address 127.0.0.1.
+
 Fixture semantics: the fixture skips with a reason when SLURM is unavailable (not root / binaries missing) or fails
 to start; with ``WORKBENCH_REQUIRE_SLURM=1`` (CI) both are hard failures instead. One cluster per process: a second
 fixture/helper in the same session reuses the running cluster.
@@ -384,14 +390,29 @@ def _node_topology() -> str:
     return fallback
 
 
+def two_node_names() -> tp.List[str]:
+    """Two node names for two slurmd daemons on this one machine: ``127.0.0.1`` and ``127.0.0.2``.
+
+    The SLURM here (Debian's 22.05.8) is built without MULTIPLE_SLURMD: two ``NodeName`` lines with the same
+    NodeHostName are refused ("fatal: Duplicated NodeHostName"), and ``localhost`` counts as this machine's hostname.
+    Each node is therefore named by its own loopback address (all of 127.0.0.0/8 is this machine's loopback), with
+    NodeHostname = NodeAddr = that name and a port of its own; each slurmd is started as ``slurmd -N <name>``. No
+    network namespaces are needed, nothing in /etc is touched, and the job's nodelist (``127.0.0.[1-2]``) names hosts
+    that every process can reach without a resolver: the first one is the rendezvous (MASTER_ADDR) address.
+    """
+    return ["127.0.0.1", "127.0.0.2"]
+
+
 # --------------------------------------------------------------------------- the cluster
 
 
 class SlurmCluster:
-    """A single-node SLURM cluster with accounting under ``base_dir``; see the module docstring."""
+    """A SLURM cluster with accounting under ``base_dir``: one node, or with ``nodes=2`` two slurmd daemons on this
+    machine (each node declares the whole machine's CPUs, so the two oversubscribe it); see the module docstring."""
 
     def __init__(
-        self, base_dir: tp.Union[str, Path], *, start_timeout: float = 60.0, debug: str = "info", cred_expire: int = 10
+        self, base_dir: tp.Union[str, Path], *, start_timeout: float = 60.0, debug: str = "info", cred_expire: int = 10,
+        nodes: int = 1,
     ) -> None:
         self.base = Path(base_dir).resolve()
         self.cred_expire = cred_expire
@@ -410,6 +431,9 @@ class SlurmCluster:
         self.ports: tp.Dict[str, int] = {}
         self.cluster_name = CLUSTER_NAME
         self.node_name = NODE_NAME
+        self.node_names = [NODE_NAME] if nodes == 1 else two_node_names() if nodes == 2 else []
+        if not self.node_names:
+            raise ValueError(f"nodes={nodes}: this harness makes 1 or 2 nodes (see two_node_names)")
         self.partition = PARTITION
         self.procs: tp.Dict[str, subprocess.Popen] = {}
         self.timings: tp.Dict[str, float] = {}
@@ -479,7 +503,7 @@ class SlurmCluster:
         if "slurmctld" in self.procs and self._alive("slurmctld"):
             with contextlib.suppress(Exception):
                 self._drain_jobs(timeout=15.0)
-        for name in ("slurmd", "slurmctld", "slurmdbd", "mariadbd", "munged"):
+        for name in (*self._slurmd_procs(), "slurmctld", "slurmdbd", "mariadbd", "munged"):
             p = self.procs.get(name)
             if p is not None:
                 _kill_pids([p.pid], timeout=10.0, popens={p.pid: p})
@@ -568,7 +592,7 @@ class SlurmCluster:
         deadline = time.monotonic() + timeout
 
         def node_completing() -> bool:
-            r = self.run_cmd("sinfo", "-h", "-N", "-n", self.node_name, "-o", "%T", check=False, timeout=10)
+            r = self.run_cmd("sinfo", "-h", "-N", "-n", ",".join(self.node_names), "-o", "%T", check=False, timeout=10)
             return r.returncode != 0 or "completing" in r.stdout.lower()
 
         while node_completing() and time.monotonic() < deadline:
@@ -612,7 +636,8 @@ class SlurmCluster:
             os.chmod(d, 0o700)
         self.sock_dir = Path(tempfile.mkdtemp(prefix="wbslurm-", dir="/tmp"))
         os.chmod(self.sock_dir, 0o755)  # munged: every dir above its socket must be world-executable
-        self.ports = dict(zip(("slurmctld", "slurmd", "slurmdbd"), _free_ports(3)))
+        names = ("slurmctld", "slurmd", "slurmdbd", *(f"slurmd:{n}" for n in self.node_names[1:]))
+        self.ports = dict(zip(names, _free_ports(len(names))))
 
     def _daemon_env(self) -> tp.Dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
@@ -625,6 +650,15 @@ class SlurmCluster:
         auth_info = f"socket={self.munge_socket}"
         # cred_expire (default 120 s) is also how long a requeued job is held (BeginTime) before it may restart.
         ctl_auth_info = f"{auth_info},cred_expire={self.cred_expire}"
+        # Two nodes: each slurmd has its own port, spool, pid and log file (%n: the node name slurmd -N was given).
+        suffix = "" if len(self.node_names) == 1 else ".%n"
+        node_lines = "\n".join(
+            f"NodeName={n} NodeAddr={n} NodeHostname={n}"
+            + (f" Port={self.ports['slurmd:' + n]}" if i else (f" Port={self.ports['slurmd']}" if len(self.node_names) > 1 else ""))
+            + f" {_node_topology()} RealMemory={_mem_mb()} State=UNKNOWN"
+            for i, n in enumerate(self.node_names))
+        if len(self.node_names) == 1:  # the one-node cluster's line, unchanged
+            node_lines = f"NodeName={self.node_name} NodeAddr=127.0.0.1 {_node_topology()} RealMemory={_mem_mb()} State=UNKNOWN"
         slurm_conf = f"""{_CONF_HEADER}
 ClusterName={self.cluster_name}
 SlurmctldHost={self.node_name}(127.0.0.1)
@@ -644,11 +678,11 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 SlurmdParameters=config_overrides
 StateSaveLocation={self.state}
-SlurmdSpoolDir={self.spool}/slurmd
+SlurmdSpoolDir={self.spool}/slurmd{suffix}
 SlurmctldPidFile={self.run}/slurmctld.pid
-SlurmdPidFile={self.run}/slurmd.pid
+SlurmdPidFile={self.run}/slurmd{suffix}.pid
 SlurmctldLogFile={self.logs}/slurmctld.log
-SlurmdLogFile={self.logs}/slurmd.log
+SlurmdLogFile={self.logs}/slurmd{suffix}.log
 SlurmctldDebug={self.debug}
 SlurmdDebug={self.debug}
 PlugStackConfig={self.etc}/plugstack.conf
@@ -666,8 +700,8 @@ AccountingStorageHost=localhost
 AccountingStoragePort={self.ports['slurmdbd']}
 AccountingStoragePass={self.munge_socket}
 JobCompType=jobcomp/none
-NodeName={self.node_name} NodeAddr=127.0.0.1 {_node_topology()} RealMemory={_mem_mb()} State=UNKNOWN
-PartitionName={self.partition} Nodes={self.node_name} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+{node_lines}
+PartitionName={self.partition} Nodes={",".join(self.node_names)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """
         self.conf.write_text(slurm_conf)
         (self.etc / "plugstack.conf").write_text("")
@@ -785,14 +819,22 @@ StoragePass={self._db_pass}
         self._wait("slurmctld", lambda: self.run_cmd("scontrol", "ping", check=False, timeout=10).stdout.count("UP") > 0,
                    ["slurmctld"])
 
+    def _slurmd_procs(self) -> tp.List[str]:
+        """The names under which each node's slurmd is kept in ``procs``: "slurmd" for the first node, then
+        "slurmd:<node name>" for a second one."""
+        return ["slurmd"] + [f"slurmd:{n}" for n in self.node_names[1:]]
+
     def _start_slurmd(self) -> None:
-        self._spawn("slurmd", [_which("slurmd"), "-D", "-f", str(self.conf), "-N", self.node_name], "slurmd.out.log")
+        for proc, node in zip(self._slurmd_procs(), self.node_names):
+            log = "slurmd.out.log" if proc == "slurmd" else f"slurmd.{node}.out.log"
+            self._spawn(proc, [_which("slurmd"), "-D", "-f", str(self.conf), "-N", node], log)
 
         def idle() -> bool:
-            r = self.run_cmd("sinfo", "-h", "-N", "-n", self.node_name, "-o", "%t", check=False, timeout=10)
-            return r.returncode == 0 and r.stdout.strip().rstrip("*") in ("idle",)
+            r = self.run_cmd("sinfo", "-h", "-N", "-n", ",".join(self.node_names), "-o", "%t", check=False, timeout=10)
+            states = [s.rstrip("*") for s in r.stdout.split()]
+            return r.returncode == 0 and len(states) == len(self.node_names) and set(states) == {"idle"}
 
-        self._wait("node idle in sinfo", idle, ["slurmd", "slurmctld"])
+        self._wait("every node idle in sinfo", idle, [*self._slurmd_procs(), "slurmctld"])
 
     def _save_pids(self) -> None:
         (self.run / "pids.json").write_text(json.dumps({"marker": self.marker, "pids": self.pids()}, indent=1))
@@ -849,6 +891,30 @@ def slurm_cluster_fixture(tmp_path_factory) -> tp.Iterator[SlurmCluster]:
         cluster.stop()
 
 
+def slurm_two_nodes_fixture(tmp_path_factory) -> tp.Iterator[SlurmCluster]:
+    """Generator for a module-scoped pytest fixture: a running two-node cluster (``SlurmCluster(nodes=2)``: two slurmd
+    daemons on this machine, nodes ``127.0.0.1`` and ``127.0.0.2``, see :func:`two_node_names`), started and stopped
+    like the one-node cluster. While it runs, ``SLURM_CONF`` names it (a one-node session cluster that is also up gets
+    ``SLURM_CONF`` back when this one stops); fails, like the one-node fixture, when SLURM is there but does not start."""
+    import pytest
+
+    ok, reason = slurm_available()
+    if not ok:
+        pytest.fail(f"SLURM required or installed but unavailable: {reason}", pytrace=False)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm2n"), nodes=2)
+    try:
+        cluster.start()
+    except SlurmStartError as e:
+        pytest.fail(f"SLURM required or installed but unavailable: two-node cluster failed to start: {e}", pytrace=False)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+SLURM_FIXTURES = ("slurm_cluster", "slurm_two_nodes")  # a test that asks for one of these needs a real SLURM
+
+
 def _make_fixture():
     import pytest
 
@@ -859,7 +925,18 @@ def _make_fixture():
     return slurm_cluster
 
 
+def _make_two_node_fixture():
+    import pytest
+
+    @pytest.fixture(scope="module", name="slurm_two_nodes")
+    def slurm_two_nodes(tmp_path_factory):
+        yield from slurm_two_nodes_fixture(tmp_path_factory)
+
+    return slurm_two_nodes
+
+
 try:
     slurm_cluster = _make_fixture()
+    slurm_two_nodes = _make_two_node_fixture()
 except ImportError:  # pragma: no cover - importable without pytest (e.g. for manual use)
     pass

@@ -8,9 +8,11 @@ import datetime
 import importlib.util
 import logging
 import os
+import re
 import socket
-import subprocess
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -33,7 +35,8 @@ BACKENDS = ("auto",) + FIRST_CLASS_BACKENDS + tuple(VENDOR_BACKENDS)
 
 @dataclass(frozen=True)
 class JobEnv:
-    """Rank layout of this process, and where it came from."""
+    """Rank layout of this process, and where it came from. A node is one machine (one slurmd, one torchrun agent):
+    ``node_rank`` of ``num_nodes``; ``local_rank`` counts the processes on this node from 0."""
 
     rank: int = 0
     world_size: int = 1
@@ -42,6 +45,8 @@ class JobEnv:
     master_addr: str | None = None
     master_port: int | None = None
     source: str = "single"  # torchrun | submitit | slurm | single
+    node_rank: int = 0
+    num_nodes: int = 1
 
 
 def _int_env(name: str, default: int | None = None) -> int | None:
@@ -49,22 +54,94 @@ def _int_env(name: str, default: int | None = None) -> int | None:
     return int(value) if value not in (None, "") else default
 
 
+def expand_nodelist(nodelist: str) -> list[str]:
+    """A SLURM hostlist expanded as ``scontrol show hostnames`` does, in its order: ``node[1-3,5],gpu01`` -> node1,
+    node2, node3, node5, gpu01; zero padding kept (``n[08-10]`` -> n08, n09, n10); several bracket groups in one name
+    multiply out (``r[1-2]n[1-2]`` -> r1n1, r1n2, r2n1, r2n2); duplicates are kept, as scontrol keeps them."""
+    hosts: list[str] = []
+    for item in _split_top_level(nodelist.strip()):
+        hosts.extend(_expand_host(item))
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets (and on whitespace, which scontrol also accepts)."""
+    items, depth, current = [], 0, []
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in nodelist {text!r}")
+        if depth == 0 and (ch == "," or ch.isspace()):
+            if current:
+                items.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    if depth:
+        raise ValueError(f"unbalanced '[' in nodelist {text!r}")
+    if current:
+        items.append("".join(current))
+    return items
+
+
+def _expand_host(item: str) -> list[str]:
+    found = re.search(r"\[([^\]]*)\]", item)
+    if found is None:
+        return [item]
+    prefix, rest = item[: found.start()], item[found.end():]
+    tails = _expand_host(rest)
+    out = []
+    for part in found.group(1).split(","):
+        part = part.strip()
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
+                raise ValueError(f"bad range {part!r} in nodelist item {item!r}")
+            width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
+            numbers = [str(n).zfill(width) for n in range(int(lo), int(hi) + 1)]
+        elif part.isdigit():
+            numbers = [part]
+        else:
+            raise ValueError(f"bad entry {part!r} in nodelist item {item!r}")
+        out.extend(prefix + n + tail for n in numbers for tail in tails)
+    return out
+
+
 def _slurm_master_addr() -> str:
-    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST") or socket.gethostname()
+    """The first host of the job's nodelist (as ``scontrol show hostnames $SLURM_JOB_NODELIST | head -1``)."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist:
+        return socket.gethostname()
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
-        return out.stdout.split()[0]
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        return nodelist.split(",")[0]
+        return expand_nodelist(nodelist)[0]
+    except (ValueError, IndexError) as e:
+        raise WorkbenchError(f"cannot read the master address from SLURM_JOB_NODELIST={nodelist!r}: {e}") from None
+
+
+def _node_rank(rank: int, local_world_size: int) -> int:
+    """The node of a process whose rank came in torchrun's variables: torchrun's GROUP_RANK (its agent's rank), else
+    NODE_RANK, else, in a submitit task (whose job environment exported RANK and friends), SLURM's SLURM_NODEID, else
+    the block layout every launcher here uses (ranks fill a node before the next)."""
+    for name in ("GROUP_RANK", "NODE_RANK") + (("SLURM_NODEID",) if os.environ.get("SUBMITIT_EXECUTOR") else ()):
+        value = _int_env(name)
+        if value is not None:
+            return value
+    return rank // max(1, local_world_size)
 
 
 def detect_env() -> JobEnv:
     """torchrun's env, else submitit's job environment, else SLURM's env, else one process."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        world, local_world = _int_env("WORLD_SIZE"), _int_env("LOCAL_WORLD_SIZE", _int_env("WORLD_SIZE"))
         return JobEnv(
-            rank=_int_env("RANK"), world_size=_int_env("WORLD_SIZE"), local_rank=_int_env("LOCAL_RANK", 0),
-            local_world_size=_int_env("LOCAL_WORLD_SIZE", _int_env("WORLD_SIZE")),
+            rank=_int_env("RANK"), world_size=world, local_rank=_int_env("LOCAL_RANK", 0),
+            local_world_size=local_world,
             master_addr=os.environ.get("MASTER_ADDR"), master_port=_int_env("MASTER_PORT"), source="torchrun",
+            node_rank=_node_rank(_int_env("RANK"), local_world),
+            num_nodes=max(1, world // max(1, local_world)),  # torchrun's nodes (agents) all run as many processes
         )
     if os.environ.get("SUBMITIT_EXECUTOR"):
         import submitit
@@ -76,14 +153,16 @@ def detect_env() -> JobEnv:
             local_world_size=env.num_tasks // max(1, env.num_nodes),
             master_addr=env.hostnames[0] if env.num_nodes > 1 else "127.0.0.1",
             master_port=_int_env("MASTER_PORT", 20000 + int(job_id) % 20000), source="submitit",
+            node_rank=env.node, num_nodes=env.num_nodes,
         )
     if _int_env("SLURM_NTASKS", 1) > 1 and "SLURM_PROCID" in os.environ:
         ntasks = _int_env("SLURM_NTASKS")
         nnodes = _int_env("SLURM_JOB_NUM_NODES", _int_env("SLURM_NNODES", 1))
         return JobEnv(
             rank=_int_env("SLURM_PROCID"), world_size=ntasks, local_rank=_int_env("SLURM_LOCALID", 0),
-            local_world_size=ntasks // max(1, nnodes), master_addr=_slurm_master_addr(),
+            local_world_size=_int_env("SLURM_NTASKS_PER_NODE", ntasks // max(1, nnodes)), master_addr=_slurm_master_addr(),
             master_port=_int_env("MASTER_PORT", 20000 + _int_env("SLURM_JOB_ID", 0) % 20000), source="slurm",
+            node_rank=_int_env("SLURM_NODEID", 0), num_nodes=nnodes,
         )
     return JobEnv()
 
@@ -133,8 +212,11 @@ class Dist:
                  log_on_each_node: bool = True, save_on_each_node: bool = False):
         self.env, self.backend, self.device, self.owns_group = env, backend, device, owns_group
         self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
+        self.node_rank, self.num_nodes = env.node_rank, env.num_nodes
         self.is_main = self.rank == 0
-        self.is_local_main = self.local_rank == 0
+        self.is_local_main = self.local_rank == 0  # one process per node: each node's local rank 0
+        self.save_on_each_node = save_on_each_node
+        # Once per node (local rank 0 of each node) with the *_on_each_node options, else once per job (rank 0).
         self.should_log = self.is_local_main if log_on_each_node else self.is_main
         self.should_save = self.is_local_main if save_on_each_node else self.is_main
 
@@ -216,6 +298,37 @@ class Dist:
         if self.distributed:
             dist.barrier()
 
+    def check_node_folders(self, output_dir: Path) -> None:
+        """With ``save_on_each_node`` on several nodes, each node writes its checkpoints into its own ``output_dir``;
+        refuse (on every rank alike) when that folder is one folder shared by the nodes (a network file system),
+        where they would write the same files. Each node's local rank 0 leaves a probe file there; a node that sees
+        another node's probe is sharing the folder. No collective when the option is off or there is one node."""
+        if not (self.save_on_each_node and self.num_nodes > 1 and self.distributed):
+            return
+        token = self.broadcast_object(uuid.uuid4().hex[:12] if self.is_main else None)
+        probe = Path(output_dir) / f".node-probe-{token}-node{self.node_rank}"
+        error = None
+        if self.is_local_main:
+            try:
+                Path(output_dir).mkdir(parents=True, exist_ok=True)
+                probe.write_text(str(self.node_rank))
+            except OSError as e:
+                error = f"node {self.node_rank} cannot write to {output_dir}: {e}"
+        self.barrier()  # every node's probe is written before any node looks
+        seen = sorted(p.name for p in Path(output_dir).glob(f".node-probe-{token}-node*")) if self.is_local_main else []
+        views = self.all_gather_object((error, len(seen)))
+        if self.is_local_main:
+            probe.unlink(missing_ok=True)
+        errors = [e for e, _ in views if e]
+        if errors:
+            raise WorkbenchError(errors[0])
+        shared = max(n for _, n in views)
+        if shared > 1:
+            raise WorkbenchError(
+                f"save_on_each_node=true, but the {self.num_nodes} nodes share output_dir {output_dir} (each sees "
+                "the others' files): they would write the same checkpoint files; set save_on_each_node=false (rank 0 "
+                "writes one copy) or give each node an output_dir on its own local disk")
+
 
 def pad_concat(chunks: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
     """Tensors in order along dim 0 (``empty`` when there are none); chunks padded to different lengths (text batches)
@@ -264,7 +377,8 @@ def setup(ddp_backend: str, ddp_timeout: int = 1800, log_on_each_node: bool = Tr
             )
         env = detect_env()
         env = JobEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=env.local_rank,
-                     local_world_size=env.local_world_size, source=env.source if env.source != "single" else "external")
+                     local_world_size=env.local_world_size, source=env.source if env.source != "single" else "external",
+                     node_rank=env.node_rank, num_nodes=env.num_nodes)
         backend = resolve_backend(actual)
         return Dist(env, backend, device_for(backend, env.local_rank), False, log_on_each_node, save_on_each_node)
     backend = resolve_backend(ddp_backend)

@@ -107,6 +107,7 @@ def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | 
         cfg.output_dir = d.broadcast_object(str(config.resolve_output_dir(cfg)))  # one run folder for every rank
         output_dir = Path(cfg.output_dir)
         config.check_writable(output_dir)
+        d.check_node_folders(output_dir)  # save_on_each_node on several nodes: never one folder shared by them
         _refuse_everywhere(d, lambda: checkpoint.check_folder(output_dir, cfg.resume_from_checkpoint))
         job = build(cfg, d, compute_metrics, callbacks or [])
         sha = git_sha()
