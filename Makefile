@@ -33,6 +33,8 @@ mutants: install
 
 bench: install
 	$(PY) -m benchmarks
+	$(PY) -m benchmarks.adaptive_clipping
+	$(PY) -m benchmarks.dp_adam
 
 bench-quick: install
 	$(PY) -m benchmarks --quick

@@ -25,11 +25,18 @@ Figures (one key each in results.json); issue 10's targets are checked in the ru
 - ``scaling_vs_ddp``       W=2 weak scaling of our DP trainer on the compute-bound transformer preset beside
                            torch DDP's non-private scaling of the same model, in the same jobs; target ours / DDP >= 0.95x.
 - ``accounting``           epsilon and sigma calibration for 10k / 100k Poisson steps, parallel Poisson W=2,4,8.
-- ``tracking_overhead``    ``workbench.train`` on the default config, MLflow tracking on vs off.
+- ``tracking_overhead``    ``workbench.train`` on the default config, MLflow tracking on vs off; and MLflow's
+                           system-metrics sampler every 1 s vs off (tracking on in both, a longer job).
 - ``startup``              ``python -m workbench`` to its first training step; target <= 3 s warm.
 - ``end_to_end``           the whole default job as a process vs ``benchmarks/raw_opacus_digits.py`` (raw Opacus, same
                            training); target <= 0.6x its wall time.
 
 Quick mode is a smoke test of every figure (the test suite runs it): fewer steps and runs, the presets' batch capped
 at 64, the no-target figures trimmed; its ratios are not the figures.
+
+Accuracy figures (issue 23), separate scripts run by ``make bench`` after the above (not timings; each writes its json,
+a markdown table in benchmarks/ and a picture in docs/):
+
+    python -m benchmarks.adaptive_clipping   # fixed C vs privacy.clipping=adaptive, C 10x too small/tuned/10x too large
+    python -m benchmarks.dp_adam             # optimizer=dp_adamw vs AdamW vs SGD at epsilon 1 and 8
 """

@@ -44,7 +44,8 @@ def _summary(name: str, fig: dict) -> dict[str, float]:
         return out
     if name == "tracking_overhead":
         return {k: fig[k] for k in ("step_ms_tracking_on", "step_ms_tracking_off", "ab_on_vs_off",
-                                    "log_metrics_ms_per_call", "epsilon_ms_per_call")}
+                                    "log_metrics_ms_per_call", "epsilon_ms_per_call")}  | {
+            "system_metrics_1s_vs_off": fig["system_metrics"]["ab_sampling_vs_off"]}
     if name == "startup":
         return {f"{k}/first_step_s": v["first_step"] for k, v in fig["variants"].items()}
     if name == "end_to_end":

@@ -208,7 +208,23 @@ def render(results: dict, mode: str, command: str, machine: dict, total_s: float
                   "wall time |",
                   f"| inside `Accountant.epsilon` (any thread, on and off alike) | {fig['epsilon_ms_per_call']:.0f} ms "
                   f"per call, {fig['epsilon_calls_per_run']} calls = {fig['epsilon_busy_share_of_loop']:.0%} of the "
-                  "loop's wall time |", ""]
+                  "loop's wall time |"]
+        sm = fig.get("system_metrics")
+        if sm:
+            lines += [f"| MLflow system metrics every {sm['interval_s']:g} s / off, tracking on in both ({sm['config']}; "
+                      f"median over {len(sm['ab_pair_ratios'])} interleaved pairs; range; whole `train()` wall and CPU time in brackets) | "
+                      f"{sm['ab_sampling_vs_off']:.3f}x ({min(sm['ab_pair_ratios']):.3f} .. "
+                      f"{max(sm['ab_pair_ratios']):.3f}; train() {sm['train_seconds_ratio']:.3f}x, its process CPU "
+                      f"time {sm.get('train_cpu_ratio', float('nan')):.3f}x), "
+                      f"{sm['loop_seconds_median']:.1f} s loops, {min(sm['samples_per_sampled_run'])}-"
+                      f"{max(sm['samples_per_sampled_run'])} samples of {sm['system_metrics_logged']} `system/` "
+                      "metrics per sampled run |"]
+            if "measured" in sm:  # a later run than the rows above: say when, and under what load
+                w = sm["measured"]
+                lines += ["", f"The system-metrics row: `{w['command']}` on {w['date']}, git {w['git']}, 1-minute load "
+                              f"average {w['load_avg_1min_before']} .. {w['load_avg_1min_after']} on 2 cores; "
+                              f"{w['note']}."]
+        lines.append("")
 
     if "startup" in results:
         fig = results["startup"]

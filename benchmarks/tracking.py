@@ -11,6 +11,17 @@ the median over pairs of neighbouring runs. For diagnosis, the time spent sendin
 and artifact upload are outside the loop and outside the figure. ``disable_tqdm=true`` on both sides.
 The ``samples_per_second`` metric is not used: its window restarts after each log call, so it cannot see their cost.
 Quick mode stops each run at 40 steps (a smoke test of the figure).
+
+System metrics (issue 25): the same loop with tracking on both sides, MLflow's system-metrics sampler every 1 s
+(``tracking.system_metrics_interval=1``) versus off (``=0``), on a job long enough for the sampler to log several
+samples (``max_steps=1000``, ``logging_steps=250`` so that epsilon for the log lines stays a small, equal part of both
+sides; ``tracking.log_model=false``), runs interleaved on/off, off/on, on/off after one untimed warm-up run; the
+figure is the median of the pairs' loop-time ratios. Beside it, for diagnosis on a loaded machine: the ratio of
+the whole ``train()`` call's wall time and of this process's CPU time over it (the sampler is a thread of this
+process here, as MLflow is imported in it; a CLI job's sampler runs in its tracking worker process). Each sampled
+run must have logged ``system/`` metrics (and each unsampled one none), so the row measures what it claims. Quick
+mode: 300 steps, one pair, no warm-up run (a smoke test). ``python -m benchmarks.tracking --system-metrics``
+re-measures this row alone into benchmarks/results.json (the figure's other rows kept) and re-writes RESULTS.md.
 """
 
 from __future__ import annotations
@@ -79,6 +90,72 @@ class _LoopTimers:
             setattr(cls, name, original)
 
 
+SYSTEM_METRIC = "system/cpu_utilization_percentage"
+
+
+def system_metrics_overhead(s: Settings, log=print) -> dict:
+    """Loop time with MLflow's system-metrics sampler every 1 s / without it (tracking on in both); see the docstring."""
+    from mlflow import MlflowClient
+
+    from workbench import compose, train
+
+    set_threads()
+    quick = s.mode == "quick"
+    steps, pairs = (300, 1) if quick else (1000, 3)
+    runs: dict[str, list[dict]] = {"on": [], "off": []}
+    with _LoopTimers() as timers, tempfile.TemporaryDirectory(prefix="bench-sysmetrics-") as tmp:
+        uri = f"sqlite:///{Path(tmp) / 'mlflow.db'}"
+        client = MlflowClient(uri)
+        order = [(x, steps) for p in range(pairs) for x in (("on", "off") if p % 2 == 0 else ("off", "on"))]
+        if not quick:
+            order.insert(0, ("on", 20))  # an untimed warm-up run (the store's tables, first imports)
+        for i, (setting, n) in enumerate(order):
+            cfg = compose([f"output_dir={Path(tmp) / f'run{i}'}", f"tracking.uri={uri}", "disable_tqdm=true",
+                           "tracking.experiment_name=bench-system-metrics", "tracking.log_model=false",
+                           f"tracking.system_metrics_interval={1 if setting == 'on' else 0}",
+                           f"max_steps={n}", "logging_steps=250"])
+            t, cpu = time.perf_counter(), time.process_time()
+            with contextlib.redirect_stdout(io.StringIO()):
+                result = train(cfg)
+            seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
+            if i == 0 and not quick:
+                continue
+            system = [k for k in client.get_run(result.run_id).data.metrics if k.startswith("system/")]
+            samples = len(client.get_metric_history(result.run_id, SYSTEM_METRIC)) if system else 0
+            # the row measures what it claims: sampled runs logged system metrics (several), the others none
+            if setting == "on":
+                assert SYSTEM_METRIC in system and samples >= (1 if quick else 2), (result.run_id, system, samples)
+            else:
+                assert not system, (result.run_id, system)
+            runs[setting].append({**timers.record[-1], "train_seconds": seconds, "train_cpu_seconds": cpu, "samples": samples,
+                                  "system_metrics": len(system)})
+    per_step = {k: [r["fit"] / r["steps"] for r in v] for k, v in runs.items()}
+    ratios = [a / b for a, b in zip(per_step["on"], per_step["off"])]
+    train_ratios = [a["train_seconds"] / b["train_seconds"] for a, b in zip(runs["on"], runs["off"])]
+    cpu_ratios = [a["train_cpu_seconds"] / b["train_cpu_seconds"] for a, b in zip(runs["on"], runs["off"])]
+    ab, ab_train, ab_cpu = median(ratios), median(train_ratios), median(cpu_ratios)
+    loop_s = median([r["fit"] for r in runs["on"] + runs["off"]])
+    samples = [r["samples"] for r in runs["on"]]
+    log(f"  system metrics every 1 s: loop on/off {ab - 1:+.1%} (median of {len(ratios)} pairs, "
+        f"{min(ratios) - 1:+.1%} .. {max(ratios) - 1:+.1%}); whole train() {ab_train - 1:+.1%}, its process CPU time "
+        f"{ab_cpu - 1:+.1%}; "
+        f"{loop_s:.1f} s loops, {min(samples)}-{max(samples)} samples of {runs['on'][0]['system_metrics']} system/ "
+        "metrics per sampled run")
+    return {
+        "config": f"default job, max_steps={steps}, logging_steps=250, tracking.log_model=false; "
+                  "tracking.system_metrics_interval=1 vs 0",
+        "steps": steps, "pairs": pairs, "interval_s": 1.0,
+        "step_ms_sampling": median(per_step["on"]) * 1e3, "step_ms_no_sampling": median(per_step["off"]) * 1e3,
+        "runs_step_ms_sampling": [x * 1e3 for x in per_step["on"]],
+        "runs_step_ms_no_sampling": [x * 1e3 for x in per_step["off"]],
+        "ab_sampling_vs_off": ab, "ab_pair_ratios": ratios,
+        "train_seconds_ratio": ab_train, "train_pair_ratios": train_ratios,
+        "train_cpu_ratio": ab_cpu, "train_cpu_pair_ratios": cpu_ratios,
+        "loop_seconds_median": loop_s, "samples_per_sampled_run": samples,
+        "system_metrics_logged": runs["on"][0]["system_metrics"],
+    }
+
+
 def tracking_overhead(s: Settings, log=print) -> dict:
     from workbench import compose, train
 
@@ -118,6 +195,7 @@ def tracking_overhead(s: Settings, log=print) -> dict:
         f"{len(pair_ratios)} pairs, {min(pair_ratios) - 1:+.1%} .. {max(pair_ratios) - 1:+.1%}); log_metrics "
         f"{log_ms:.1f} ms per call ({log_share:.1%} of the loop's wall time), epsilon {eps_ms:.0f} ms per call "
         f"({eps_share:.0%})")
+    sysm = system_metrics_overhead(s, log)
     return {
         "what": __doc__.split("\n\n", 1)[1].strip(),
         "config": f"default (python -m workbench): digits, MLP 64-128-10, batch 256, DP grad_sample_mode={mode}, "
@@ -130,10 +208,62 @@ def tracking_overhead(s: Settings, log=print) -> dict:
         "log_metrics_busy_share_of_loop": log_share,
         "epsilon_ms_per_call": eps_ms, "epsilon_calls_per_run": runs["on"][0]["epsilon_calls"],
         "epsilon_busy_share_of_loop": eps_share,
+        "system_metrics": sysm,
         "targets": [],  # issue 6's <= 3 % is no open issue's target; the figure stays as a no-target row
         "info": [{"what": "tracking overhead: loop time, tracking on / off - 1", "value": ab - 1, "unit": "%"},
                  {"what": "time sending queued writes to the store / loop wall time (any thread)", "value": log_share,
                   "unit": "%"},
                  {"what": "time inside Accountant.epsilon / loop wall time (any thread; on and off alike)",
-                  "value": eps_share, "unit": "%"}],
+                  "value": eps_share, "unit": "%"},
+                 {"what": "system-metrics overhead: loop time, MLflow sampler every 1 s / off - 1 (tracking on in both)",
+                  "value": sysm["ab_sampling_vs_off"] - 1, "unit": "%"}],
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.tracking --system-metrics``: re-measure the system-metrics row alone and put it into the
+    tracking figure of benchmarks/results.json (its other rows kept, this row's date, git and load beside it), then
+    re-write RESULTS.md."""
+    import argparse
+    import json
+    import logging
+    import os
+    import warnings
+
+    from benchmarks import report
+    from benchmarks.common import REPO, dump_json, machine_info
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tracking", description=main.__doc__)
+    parser.add_argument("--system-metrics", action="store_true", required=True)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    s = Settings.for_mode(args.quick)
+    results = json.loads((args.out / "results.json").read_text())
+    fig = results["tracking_overhead"]
+    if fig["mode"] != s.mode:
+        parser.error(f"results.json's tracking figure is {fig['mode']} mode; this run is {s.mode}")
+    machine, load = machine_info(), os.getloadavg()[0]
+    sm = system_metrics_overhead(s)
+    sm["measured"] = {"command": "python -m benchmarks.tracking --system-metrics" + (" --quick" if args.quick else ""),
+                      "date": machine["date"], "git": machine["git"], "cpu": machine["cpu"],
+                      "load_avg_1min_before": round(load, 2), "load_avg_1min_after": round(os.getloadavg()[0], 2),
+                      "note": "measured in a later run than the rest of this figure (its other rows kept)"}
+    fig["system_metrics"] = sm
+    fig["summary"]["system_metrics_1s_vs_off"] = sm["ab_sampling_vs_off"]
+    fig["info"] = [i for i in fig["info"] if not i["what"].startswith("system-metrics")] + [
+        {"what": "system-metrics overhead: loop time, MLflow sampler every 1 s / off - 1 (tracking on in both)",
+         "value": sm["ab_sampling_vs_off"] - 1, "unit": "%"}]
+    dump_json(results, args.out / "results.json")
+    first = next(iter(results.values()))
+    (args.out / "RESULTS.md").write_text(report.render(results, first["mode"], first["command"], first["machine"],
+                                                       sum(f["seconds"] for f in results.values())))
+    print(f"wrote the system-metrics row into {args.out / 'results.json'} and {args.out / 'RESULTS.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
