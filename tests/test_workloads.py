@@ -461,6 +461,9 @@ class _Lines:
     def log_metrics(self, metrics, step=None):
         self.lines.append((metrics, step))
 
+    def set_tags(self, tags):
+        self.tags = {**getattr(self, "tags", {}), **tags}
+
     def flush(self):
         pass
 

@@ -274,7 +274,7 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
         if bounds is not None:  # drawn by the tracking worker too (workbench.plots.privacy_tradeoff)
             tracker.log_plot("privacy_tradeoff", "privacy_tradeoff.png", {
                 "fpr": list(bounds.fpr), "tpr": list(bounds.tpr), "epsilon": epsilon, "delta": delta,
-                "advantage": bounds.advantage, **per_user})
+                "advantage": bounds.advantage, **({"unit": "user"} if _unit(plan) == "user" else {})})
         if cfg.tracking.log_model:
             _log_model(cfg, tracker, model, plan, epsilon, steps)
     uri = tracker.uri if run_id else None
