@@ -177,3 +177,17 @@ def test_a_torchrun_job_stopped_by_sigterm_prints_the_torchrun_command_that_resu
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout + resumed.stderr and _statuses(tmp_path) == ["FINISHED"]
     assert checkpoint.load(checkpoint.list_checkpoints(run_dir)[-1])["step"] == 40
+
+
+@pytest.mark.parametrize("nodes, expected", [("1", ["torchrun", "--nproc-per-node=2", "-m", "workbench"]),
+                                             ("2", ["torchrun", "--nnodes=2", "--nproc-per-node=2", "-m", "workbench"])])
+def test_the_resume_hint_under_an_agent_it_cannot_read_keeps_the_node_count(monkeypatch, nodes, expected):
+    """When the agent's own command line names no torchrun (a wrapper started it), the hint is rebuilt from the
+    rank's environment: a multi-node job's hint keeps --nnodes, or a rerun would start a one-node job."""
+    from workbench.interrupt import launched_by
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", nodes)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(os, "getppid", os.getpid)  # this pytest process: no torchrun in its command line
+    assert launched_by() == expected

@@ -65,7 +65,9 @@ def launched_by() -> list[str]:
     start = next((i for i, a in enumerate(agent) if os.path.basename(a) == "torchrun"
                   or agent[i - 1:i + 1] in (["-m", "torch.distributed.run"], ["-m", "workbench.torchrun"])), None)
     if end is None or start is None:
-        return ["torchrun", f"--nproc-per-node={os.environ.get('LOCAL_WORLD_SIZE', 1)}", "-m", "workbench"]
+        nodes = os.environ.get("GROUP_WORLD_SIZE", "1")  # several nodes: each node's agent reruns with its own rank
+        return ["torchrun", *([f"--nnodes={nodes}"] if nodes != "1" else []),
+                f"--nproc-per-node={os.environ.get('LOCAL_WORLD_SIZE', 1)}", "-m", "workbench"]
     prefix = ["torchrun"] if os.path.basename(agent[start]) == "torchrun" else [agent[0], "-m", agent[start]]
     return [*prefix, *agent[start + 1:end + 2]]
 
