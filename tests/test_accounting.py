@@ -319,3 +319,41 @@ def test_epsilon_schedule_gives_every_logging_step_its_own_epsilon():
     assert logging_steps(50, 57, 10) == [57] and logging_steps(20, 40, 10) == [30, 40]
 
 
+
+
+class _CountingAccountant:
+    """A stand-in ledger whose epsilon is sqrt(step) (this tests the schedule's own bookkeeping, not accounting)."""
+
+    def __init__(self):
+        self.asked: list[int] = []
+
+    def epsilon(self, steps, delta, on_disk=False):
+        self.asked.append(steps)
+        return steps ** 0.5
+
+
+def test_a_long_schedule_composes_at_most_exact_lines_times_and_never_under_reports():
+    """10,000 logged lines: at most EXACT_LINES compositions, each line's value the epsilon of the next exact step
+    (>= its own, equal at the exact steps and the last), monotone, and the first lines exact (dense early)."""
+    from workbench.privacy.accounting.accountant import EXACT_LINES, EpsilonSchedule
+
+    ledger = _CountingAccountant()
+    steps = list(range(10, 100_001, 10))
+    schedule = EpsilonSchedule(ledger, 1e-5, steps)
+    values = [schedule.get(s) for s in steps]
+    assert len(ledger.asked) <= EXACT_LINES and ledger.asked == sorted(set(ledger.asked))
+    assert all(v >= s ** 0.5 for s, v in zip(steps, values))
+    assert values == sorted(values) and values[-1] == steps[-1] ** 0.5
+    assert all(values[i] == steps[i] ** 0.5 for i in range(3))  # the first lines are exact steps
+    assert {s for s, v in zip(steps, values) if v == s ** 0.5} == set(ledger.asked)
+    assert max(v / s ** 0.5 for s, v in zip(steps, values)) < 1.1  # geometric spacing: within 10 % in sqrt(step)
+    assert schedule.latest(steps[-1]) == (steps[-1], steps[-1] ** 0.5)
+
+
+def test_a_short_schedule_is_exact_on_every_line():
+    from workbench.privacy.accounting.accountant import EXACT_LINES, EpsilonSchedule
+
+    ledger = _CountingAccountant()
+    steps = list(range(5, 5 * EXACT_LINES + 1, 5))
+    schedule = EpsilonSchedule(ledger, 1e-5, steps)
+    assert [schedule.get(s) for s in steps] == [s ** 0.5 for s in steps] and ledger.asked == steps

@@ -199,19 +199,36 @@ class Accountant:
         return acc
 
 
+EXACT_LINES = 64  # at most this many PLD compositions per run's schedule (one is 0.1-4 s, growing with the step)
+
+
+def exact_steps(steps: list[int], n: int = EXACT_LINES) -> list[int]:
+    """The logged steps whose epsilon is composed exactly: all of them when there are at most ``n``, else about ``n``
+    spaced geometrically in the line index (dense early, where epsilon grows fastest relative to itself), always with
+    the last."""
+    if len(steps) <= n:
+        return list(steps)
+    picked = {round(len(steps) ** (k / (n - 1))) - 1 for k in range(n)} | {len(steps) - 1}
+    return [steps[i] for i in sorted(picked)]
+
+
 class EpsilonSchedule:
     """Epsilon at each of a run's logging steps, computed once, in step order, on a background thread.
 
-    q, sigma and the step count are fixed before the first step, so the whole curve is known in advance: every logged
-    line, the progress bar and the closing picture show the epsilon of their own step (each value is the accountant's
-    own ``epsilon(step, delta)``, so the last one equals the reported final epsilon), and the training thread never
-    waits for a PLD composition.
+    q, sigma and the step count are fixed before the first step, so the whole curve is known in advance, and the
+    training thread never waits for a PLD composition. A run with at most ``EXACT_LINES`` logged lines gets the
+    accountant's own ``epsilon(step, delta)`` on every line; a longer one (a composition costs seconds late in a long
+    run) gets it at ``exact_steps``, and each line between them the value of the next exact step: an upper bound,
+    never an under-report. The last line is always exact, equal to the reported final epsilon.
     """
 
     def __init__(self, accountant: "Accountant", delta: float, steps):
+        import bisect
         import threading
 
         self.accountant, self.delta, self.steps = accountant, delta, sorted(set(steps))
+        self.exact = exact_steps(self.steps)
+        self._cover = {s: self.exact[bisect.bisect_left(self.exact, s)] for s in self.steps}  # the next exact step
         self._values: dict[int, float] = {}
         self._error: BaseException | None = None
         self._done = threading.Condition()
@@ -219,10 +236,10 @@ class EpsilonSchedule:
         self._thread.start()
 
     def _work(self) -> None:
-        for step in self.steps:
+        for step in self.exact:
             try:
-                # A PLD composition is 0.1-0.5 s (and scipy's import under the first): a rerun of the same job reads
-                # its schedule, the final epsilon included, from workbench's on-disk cache.
+                # scipy's import under the first composition: a rerun of the same job reads its schedule, the final
+                # epsilon included, from workbench's on-disk cache.
                 value = self.accountant.epsilon(step, self.delta, on_disk=True)
             except BaseException as e:  # noqa: BLE001 - re-raised where a value is asked for
                 with self._done:
@@ -234,23 +251,25 @@ class EpsilonSchedule:
                 self._done.notify_all()
 
     def get(self, step: int, wait: bool = True) -> float | None:
-        """Epsilon after ``step`` steps; with ``wait=False``, None while it is still being computed."""
-        if step not in self._values and step not in self.steps:
+        """Epsilon reported after ``step`` steps (see the class); with ``wait=False``, None while being computed."""
+        if step not in self._cover:
             return self.accountant.epsilon(step, self.delta) if wait else None
+        exact = self._cover[step]
         with self._done:
             if wait:
-                self._done.wait_for(lambda: step in self._values or self._error is not None)
+                self._done.wait_for(lambda: exact in self._values or self._error is not None)
             if self._error is not None:
                 raise RuntimeError("the epsilon schedule failed") from self._error
-            return self._values.get(step)
+            return self._values.get(exact)
 
     def latest(self, step: int) -> tuple[int, float] | None:
-        """The newest (step, epsilon) already computed at or before ``step``, without waiting."""
+        """The newest (logged step, epsilon) already known at or before ``step``, without waiting."""
         import bisect
 
         with self._done:
             i = bisect.bisect_right(self.steps, step) - 1
-            if i >= 0 and self.steps[i] not in self._values:  # computed in step order: the newest so far is before it
-                i = len(self._values) - 1
-            return (self.steps[i], self._values[self.steps[i]]) if i >= 0 else None
+            if i >= 0 and self._cover[self.steps[i]] in self._values:
+                return self.steps[i], self._values[self._cover[self.steps[i]]]
+            done = [s for s in self.exact if s in self._values and s <= step]  # computed in order: a prefix
+            return (done[-1], self._values[done[-1]]) if done else None
 
