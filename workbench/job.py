@@ -194,7 +194,8 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
     step_fn = GradientStep(trained, trained_criterion, d, max_grad_norm=plan.max_grad_norm,
                            noise_multiplier=plan.gradient_noise_multiplier, grad_sample_mode=p.grad_sample_mode,
                            max_physical_batch_size=cfg.max_physical_batch_size, autocast_dtype=autocast_dtype,
-                           loss_scale=cfg.fp16_loss_scale if cfg.fp16 else None, clip_schedule=plan.clipping)
+                           loss_scale=cfg.fp16_loss_scale if cfg.fp16 else None, clip_schedule=plan.clipping,
+                           noise_strategy=plan.strategy)
     # The same examples on every rank: a refusal is raised everywhere alike, before any run exists.
     step_fn.check(loaders.first_examples(train_set, CHECK_EXAMPLES, collator))
     if d.is_main and step_fn.mode_note:  # which mode auto picked, and why faster ones were skipped
@@ -225,6 +226,8 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
                 plan.accountant.load_state_dict(state["accountant"])
             if plan.adaptive:  # C_t where the checkpoint left it (the digest has the schedule's settings)
                 plan.clipping.load_state_dict(state.get("clipping"))
+            if plan.strategy is not None:  # bandmf: the secret ring of past noise, where the checkpoint left it
+                step_fn.noise.load_state_dict(state.get("correlated_noise"), int(state["step"]))
             start_step, resume_run_id = int(state["step"]), state.get("run_id")
             secret = state["secret"]
             log.info("resuming from %s at step %d", path, start_step)
