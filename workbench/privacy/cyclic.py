@@ -34,7 +34,7 @@ def banded_shard(shard: Shard, num_bands: int, world_size: int) -> Shard:
     population = per_rank * world_size
     rate = num_bands * shard.expected_batch / population
     if rate > 1:
-        most = max(1, population // shard.expected_batch)
+        most = len(shard.indices) // -(-shard.expected_batch // world_size)  # the largest b with B <= W floor(n / b)
         raise WorkbenchError(f"privacy.num_bands={num_bands} makes the in-band sampling rate b B / N = {rate:.3g} > 1 "
                              f"(B={shard.expected_batch}, N={population}); use privacy.num_bands <= {most} or a "
                              "smaller per_device_train_batch_size")
