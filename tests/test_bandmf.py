@@ -47,7 +47,7 @@ def test_the_strategy_starts_from_the_square_root_and_beats_it_at_unit_norm():
     # the binomial series is the square root of the prefix-sum matrix: (its Toeplitz)^2 = A
     s = _toeplitz(sqrt_coefficients(8), 8)
     assert np.allclose(s @ s, np.tril(np.ones((8, 8))))
-    for b, steps in [(1, 50), (2, 50), (4, 300), (8, 1000)]:
+    for b, steps in [(1, 50), (2, 50), (4, 300), (8, 1000), (4, 2), (8, 3)]:  # fewer steps than bands too
         c = np.array(strategy(b, steps))
         assert len(c) == b and c[0] > 0 and np.linalg.norm(c) == pytest.approx(1.0, abs=1e-12)
         assert prefix_sum_error(c, steps) <= prefix_sum_error(sqrt_coefficients(b), steps) * (1 + 1e-12)
@@ -216,11 +216,13 @@ def test_what_is_not_built_or_accounted_is_refused_in_one_line(make_cfg, overrid
     assert "\n" not in str(e.value)
 
 
-def test_too_many_bands_for_the_batch_is_refused_before_training(make_cfg):
+def test_too_many_bands_or_a_noise_correcting_optimizer_is_refused_before_training(make_cfg):
     from workbench import train
 
     with pytest.raises(WorkbenchError, match=r"num_bands=6 makes the in-band sampling rate .* privacy.num_bands <= 5"):
         train(make_cfg("privacy.mechanism=bandmf", "privacy.num_bands=6", "max_steps=2"))
+    with pytest.raises(WorkbenchError, match="noise is correlated"):  # DP-AdamBC's correction assumes sigma C / B
+        train(make_cfg("experiment=quick", "privacy.mechanism=bandmf", "optimizer=dp_adamw", "max_steps=2"))
 
 
 def test_the_default_job_with_bandmf_logs_the_independent_epsilon_on_every_line(make_cfg, mlflow_uri):

@@ -75,7 +75,7 @@ def _loss_and_grad(c: np.ndarray, steps: int) -> tuple[float, np.ndarray]:
     ws = weights * s
     raw = float(ws @ s)
     # d raw / d c_j = -2 sum_{k >= j} w_k s_k E_{k-j}
-    d_raw = np.array([-2.0 * float(ws[j:] @ big_e[:n - j]) for j in range(b)])
+    d_raw = np.array([-2.0 * float(ws[j:] @ big_e[:n - j]) if j < n else 0.0 for j in range(b)])  # c_j, j >= T: unseen
     return norm2 * raw, 2.0 * c * raw + norm2 * d_raw
 
 
