@@ -303,3 +303,24 @@ def test_two_gloo_ranks_stay_identical_and_report_the_independent_epsilon(tmp_pa
     assert all(torch.equal(a, b) for a, b in zip(p0, p1)) and eps0 == eps1
     assert q0 == q1 == pytest.approx(4 * 128 / 2048)  # b B / N_used, B = 64 x 2
     assert eps0 == pytest.approx(direct_bandmf_epsilon(q0, sigma, steps, 4), rel=1e-9)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_resume_bit_for_bit(tmp_path, monkeypatch):
+    """Both ranks fail in step 11 (each counts its own fetches); resumed at W=2 from rank 0's checkpoint 10 (its ring
+    restored, rank 1 adds no noise), the run ends where an uninterrupted W=2 run ends."""
+    from workbench import launch_distributed
+
+    args = ["disable_tqdm=true", "tracking.enabled=false", *QUICK, "data.train._target_=tests.plugins.FailingSynthetic",
+            "privacy.secure_seed=5"]
+    crashed = tmp_path / "crashed"
+    monkeypatch.setenv("WB_FAIL_AT_FETCH", "13")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        launch_distributed(_train_on_rank, 2, [*args, f"output_dir={crashed}"])
+    monkeypatch.delenv("WB_FAIL_AT_FETCH")
+    assert checkpoint.list_checkpoints(crashed)[-1].name == "checkpoint-10.pt"
+    resumed = launch_distributed(_train_on_rank, 2, [*args, f"output_dir={crashed}", "resume_from_checkpoint=latest"])
+    whole = launch_distributed(_train_on_rank, 2, [*args, f"output_dir={tmp_path / 'whole'}"])
+    for r in range(2):
+        assert resumed[r][3] == whole[r][3] == 20 and resumed[r][1] == whole[r][1]
+        assert all(torch.equal(a, b) for a, b in zip(resumed[r][0], whole[r][0]))
