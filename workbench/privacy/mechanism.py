@@ -112,7 +112,7 @@ def plan(p: Any, shard: Shard, shard_mode: str, world_size: int, steps: int) -> 
     settings that give no privacy or cannot be met."""
     if not p.enabled:
         return Mechanism(shard, shard_mode, world_size, steps)
-    kind, bands = mechanism_kind(p, shard_mode, world_size)
+    kind, bands = mechanism_kind(p, shard_mode)
     if kind == "bandmf":
         shard = banded_shard(shard, bands, world_size)
     delta = p.target_delta if p.target_delta is not None else default_delta(shard.population)
@@ -153,7 +153,7 @@ def plan(p: Any, shard: Shard, shard_mode: str, world_size: int, steps: int) -> 
     return Mechanism(shard, shard_mode, world_size, steps, p.max_grad_norm, sigma, delta, accountant, notes, clip)
 
 
-def mechanism_kind(p: Any, shard_mode: str, world_size: int) -> tuple[str, int]:
+def mechanism_kind(p: Any, shard_mode: str) -> tuple[str, int]:
     """(privacy.mechanism, b) of privacy settings ``p``, refusing in one line what is not built or not accounted."""
     get = p.get if hasattr(p, "get") else lambda k, d=None: getattr(p, k, d)
     kind, bands = get("mechanism", "dpsgd"), get("num_bands", 1)
