@@ -93,15 +93,17 @@ def strategy(num_bands: int, steps: int, optimize: bool = True) -> tuple[float, 
         x = np.asarray(found.x, float)
         if np.all(np.isfinite(x)) and x[0] > 0 and prefix_sum_error(x, steps) < prefix_sum_error(start, steps):
             best = x
-    best = best / np.linalg.norm(best)
-    return tuple(float(v) for v in best)
+    c = [float(v) for v in best / np.linalg.norm(best)]
+    while math.fsum(v * v for v in c) > 1.0:  # sensitivity <= 1 exactly as the floats stand, not up to rounding
+        c = [v * (1.0 - 2.0**-52) for v in c]
+    return tuple(c)
 
 
 def check_coefficients(c: Any, num_bands: int) -> tuple[float, ...]:
     """Refuse coefficients that would not have sensitivity <= 1 (norm above 1) or cannot be inverted (c_0 <= 0)."""
     c = tuple(float(v) for v in c)
     if len(c) != num_bands or not all(math.isfinite(v) for v in c) or c[0] <= 0 \
-            or math.fsum(v * v for v in c) > 1 + 1e-12:
+            or math.fsum(v * v for v in c) > 1.0:
         raise WorkbenchError(f"bandmf coefficients {c!r} are not {num_bands} finite numbers with c_0 > 0 and norm <= 1")
     return c
 
