@@ -2,8 +2,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+# jax_privacy 2.0.0 with CPU jax, apart from the project's venv: tests/test_bandmf.py's independent BandMF accountant
+ORACLE ?= .venv-oracle
 
-.PHONY: install run test test-fast fuzz mutants bench bench-quick clean
+.PHONY: install oracle run test test-fast fuzz mutants bench bench-quick clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -12,15 +14,22 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+$(ORACLE)/.installed:
+	test -x $(ORACLE)/bin/python || $(PYTHON) -m venv $(ORACLE)
+	$(ORACLE)/bin/python -m pip install -q jax-privacy==2.0.0 'jax[cpu]==0.10.2' dp-accounting==0.6.0
+	touch $@
+
+oracle: $(ORACLE)/.installed
+
 install: $(VENV)/.installed
 
 run: install
 	$(PY) -m workbench
 
-test: install
+test: install oracle
 	$(PY) -m pytest -q
 
-test-fast: install
+test-fast: install oracle
 	$(PY) -m pytest -q -m "not slow"
 
 # The floating-point bound attacked with many more random cases than `make test` draws (tests/test_fp_bound.py).
@@ -40,4 +49,4 @@ bench-quick: install
 	$(PY) -m benchmarks --quick
 
 clean:
-	rm -rf $(VENV) outputs multirun mlflow.db
+	rm -rf $(VENV) $(ORACLE) outputs multirun mlflow.db

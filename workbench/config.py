@@ -43,12 +43,15 @@ PRIVACY_FIELDS = (
 USER_FIELDS = ("privacy.unit", "privacy.max_examples_per_user")  # digested when privacy.unit=user
 ADAPTIVE_FIELDS = ("privacy.clipping", "privacy.target_quantile", "privacy.clip_learning_rate",  # digested when
                    "privacy.clip_count_noise")  # privacy.clipping=adaptive: fixed-C digests stay as they were
+BANDMF_FIELDS = ("privacy.mechanism", "privacy.num_bands")  # digested when not dpsgd: dpsgd digests stay as they were
 
 
 @dataclass
 class PrivacyConfig:
     enabled: bool = True
     accountant: str = "pld"  # pld | rdp | prv
+    mechanism: str = "dpsgd"  # dpsgd | bandmf (correlated noise, workbench/privacy/correlated.py) | blt (not built)
+    num_bands: int = 4  # bandmf: b, the strategy's bands and the cyclic Poisson parts (b B / N must be <= 1)
     target_epsilon: Optional[float] = 8.0
     target_delta: Optional[float] = None  # None: a value below 1/N (see workbench.privacy.default_delta)
     noise_multiplier: Optional[float] = None  # None: calibrated so that target_epsilon is met after all steps
@@ -248,6 +251,7 @@ RANGES = {
     "privacy.target_quantile": Range(0, 1, low_open=True, high_open=True),
     "privacy.clip_learning_rate": Range(0, low_open=True), "privacy.clip_count_noise": Range(0, low_open=True),
     "privacy.secure_seed": Range(0, 2**63 - 1), "privacy.max_examples_per_user": Range(1),
+    "privacy.num_bands": Range(1, STEPS_MAX),
     "audit.canaries": Range(1), "audit.significance": Range(0, 1, low_open=True, high_open=True),
     "sweep.poisson_mean": Range(0), "sweep.tnb_eta": Range(-1, low_open=True),
     "sweep.tnb_gamma": Range(0, 1, low_open=True, high_open=True), "sweep.seed": Range(0, SEED_MAX),
@@ -362,6 +366,23 @@ def validate(cfg: DictConfig) -> None:
         raise WorkbenchError("audit=canaries cannot audit privacy.clipping=adaptive yet: its canaries are made for a "
                              "fixed C; use privacy.clipping=fixed")
     _check_unit(cfg)
+    if p.mechanism not in ("dpsgd", "bandmf", "blt"):
+        raise WorkbenchError(f"privacy.mechanism={p.mechanism!r} is unknown; choose one of dpsgd, bandmf, blt")
+    if p.enabled and p.mechanism != "dpsgd":  # as workbench/privacy/mechanism.py refuses them, before any work
+        if p.mechanism == "blt":
+            raise WorkbenchError("privacy.mechanism=blt is not built yet; choose dpsgd or bandmf")
+        if cfg.ddp_shard != "per_rank":
+            raise WorkbenchError("privacy.mechanism=bandmf supports ddp_shard=per_rank only (cyclic Poisson over each "
+                                 "rank's shard); shard=global is not analysed for it")
+        if p.clipping != "fixed":
+            raise WorkbenchError("privacy.mechanism=bandmf supports privacy.clipping=fixed only (adaptive clipping's "
+                                 "accounting with correlated noise is not built)")
+        if cfg.audit.enabled:
+            raise WorkbenchError(f"audit=canaries cannot audit privacy.mechanism={p.mechanism} yet (its observer "
+                                 "assumes independent noise); use privacy.mechanism=dpsgd or audit=none")
+        if p.get("unit", "example") != "example":
+            raise WorkbenchError(f"privacy.mechanism={p.mechanism} supports privacy.unit=example only (cyclic "
+                                 "participation over users is not built); use privacy.mechanism=dpsgd for user-level DP")
     if p.accountant not in ("pld", "rdp", "prv"):
         raise WorkbenchError(f"privacy.accountant={p.accountant!r} is unknown; choose one of pld, rdp, prv")
     if cfg.bf16 and cfg.fp16:
@@ -460,7 +481,9 @@ def privacy_digest(cfg: DictConfig, world_size: int) -> str:
     values: dict[str, Any] = {"world_size": world_size}
     adaptive = OmegaConf.select(cfg, "privacy.clipping") == "adaptive"
     users = OmegaConf.select(cfg, "privacy.unit") == "user"
-    for name in PRIVACY_FIELDS + (ADAPTIVE_FIELDS if adaptive else ()) + (USER_FIELDS if users else ()):
+    banded = OmegaConf.select(cfg, "privacy.mechanism") not in (None, "dpsgd")
+    for name in (PRIVACY_FIELDS + (ADAPTIVE_FIELDS if adaptive else ()) + (USER_FIELDS if users else ())
+                 + (BANDMF_FIELDS if banded else ())):
         value = OmegaConf.select(cfg, name)  # a sub-node resolves its interpolations (${data.task}) against the root
         values[name] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
     return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]

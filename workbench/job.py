@@ -225,11 +225,15 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
     step_fn = step_class(trained, trained_criterion, d, max_grad_norm=plan.max_grad_norm,
                            noise_multiplier=plan.gradient_noise_multiplier, grad_sample_mode=p.grad_sample_mode,
                            max_physical_batch_size=cfg.max_physical_batch_size, autocast_dtype=autocast_dtype,
-                           loss_scale=cfg.fp16_loss_scale if cfg.fp16 else None, clip_schedule=plan.clipping)
+                           loss_scale=cfg.fp16_loss_scale if cfg.fp16 else None, clip_schedule=plan.clipping,
+                           noise_strategy=plan.strategy)
     # The same examples on every rank: a refusal is raised everywhere alike, before any run exists.
     step_fn.check(loaders.first_examples(train_set, CHECK_EXAMPLES, collator))
     if d.is_main and step_fn.mode_note:  # which mode auto picked, and why faster ones were skipped
         print(step_fn.mode_note, flush=True)
+    if wants_noise and plan.strategy is not None:  # its std is not sigma C / B: (C^-1 C^-T)_tt varies with t
+        raise WorkbenchError(f"optimizer {cfg.optimizer.get('_target_')} corrects for independent noise of std sigma C / B; "
+                             "privacy.mechanism=bandmf's noise is correlated: use optimizer=sgd or torch.optim.AdamW")
     # An optimizer that corrects for the noise (workbench/optim.py) is told its std per coordinate: sigma C / B.
     noise = {"noise_std": plan.noise_multiplier * plan.max_grad_norm / plan.expected_batch} if wants_noise else {}
     optimizer = make_optimizer(step_fn.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, **noise)
@@ -256,6 +260,8 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
                 plan.accountant.load_state_dict(state["accountant"])
             if plan.adaptive:  # C_t where the checkpoint left it (the digest has the schedule's settings)
                 plan.clipping.load_state_dict(state.get("clipping"))
+            if plan.strategy is not None:  # bandmf: the secret ring of past noise, where the checkpoint left it
+                step_fn.noise.load_state_dict(state.get("correlated_noise"), int(state["step"]))
             start_step, resume_run_id = int(state["step"]), state.get("run_id")
             secret = state["secret"]
             log.info("resuming from %s at step %d", path, start_step)

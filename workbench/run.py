@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # audit=canaries only: scipy.stats is most of a second to imp
 log = logging.getLogger("workbench")
 
 # Checkpoint entries that stay in the run folder and never reach MLflow (see _fit).
-PRIVATE_STATE = ("secret", "privacy_digest")
+PRIVATE_STATE = ("secret", "privacy_digest", "correlated_noise")  # bandmf's ring: past noise, as secret as the secret
 
 
 @dataclass
@@ -208,7 +208,8 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
                 "scheduler": job.scheduler.state_dict(), "step": step, "run_id": run_id,
                 "privacy_digest": job.digest, "world_size": d.world_size, "secret": job.secret,
                 "accountant": accountant.state_dict() if accountant is not None else None,
-                "clipping": plan.clipping.state_dict() if plan.private else None}
+                "clipping": plan.clipping.state_dict() if plan.private else None,
+                **({"correlated_noise": job.step_fn.noise.state_dict()} if plan.strategy is not None else {})}
 
     def save(step: int) -> None:
         snapshot = state(step)

@@ -11,6 +11,10 @@ Adaptive clipping (``privacy.clipping=adaptive``, clipping/adaptive.py) is such 
 GradientStep asks for C_t, the accountant accounts sigma exactly as for fixed C (the same event), and the gradient
 noise is raised to sigma_g so that the gradient and the noised clipped count together are the Gaussian mechanism of
 multiplier sigma.
+
+Correlated noise (``privacy.mechanism=bandmf``, correlated.py) is another: the shard recut into b cyclic parts and the
+in-band rate p (cyclic.py), the b-banded strategy's coefficients (``strategy``, for the step's noise), and the
+accountant of amplified BandMF (accounting/banded.py): ceil(T / b) participations, calibrated and cut the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +27,11 @@ from workbench import cache
 from workbench.errors import WorkbenchError
 from workbench.privacy.accounting import (Accountant, calibrate_noise, code_version, default_delta,
                                           validate_privacy_args)
+from workbench.privacy.accounting.banded import BandMFAccountant, participations
 from workbench.privacy.clipping.adaptive import AdaptiveClip, FixedClip
+from workbench.privacy.correlated import BUILT, MECHANISMS
+from workbench.privacy.correlated import strategy as banded_strategy
+from workbench.privacy.cyclic import CyclicPoissonBatchSampler, banded_shard
 from workbench.privacy.sampling import PoissonBatchSampler, Shard
 
 
@@ -42,6 +50,9 @@ class Mechanism:
     accountant: Accountant | None = None  # of exactly (q, sigma, W, shard_mode); its state is the run's spend so far
     notes: list[str] = field(default_factory=list)  # warnings about doubtful settings, for the user
     clipping: FixedClip | AdaptiveClip | None = None  # C_t's schedule, asked by the step (None: not private)
+    kind: str = "dpsgd"  # dpsgd | bandmf (privacy.mechanism)
+    num_bands: int = 1  # b (bandmf): the cyclic parts and the strategy's bands
+    strategy: tuple[float, ...] | None = None  # bandmf: c_0..c_{b-1}, unit norm (correlated.py); None: independent
 
     def __post_init__(self) -> None:
         if self.clipping is None and self.private:
@@ -70,8 +81,10 @@ class Mechanism:
         """B: every step's clipped noised sum is divided by it, never by the realised batch."""
         return self.shard.expected_batch
 
-    def sampler(self, seed: int, rank: int, start_step: int = 0) -> PoissonBatchSampler:
+    def sampler(self, seed: int, rank: int, start_step: int = 0) -> PoissonBatchSampler | CyclicPoissonBatchSampler:
         """The batches of steps [start_step, steps) on ``rank``, from the secret sampling seed."""
+        if self.kind == "bandmf":
+            return CyclicPoissonBatchSampler(self.shard, self.num_bands, self.steps, seed, rank, start_step)
         return PoissonBatchSampler(self.shard, self.steps, seed, rank, start_step)
 
     def epsilon(self, steps: int) -> float:
@@ -88,6 +101,8 @@ class Mechanism:
         if self.adaptive:  # the same event; how its noise is split between the gradient and the count
             fields.update(clipping="adaptive", gradient_noise_multiplier=self.gradient_noise_multiplier,
                           clip_count_noise=self.clipping.count_noise)
+        if self.kind == "bandmf":  # accounting/banded.py's accountant_of reads these back
+            fields.update(mechanism="bandmf", num_bands=self.num_bands)
         return fields
 
 
@@ -97,16 +112,22 @@ def plan(p: Any, shard: Shard, shard_mode: str, world_size: int, steps: int) -> 
     settings that give no privacy or cannot be met."""
     if not p.enabled:
         return Mechanism(shard, shard_mode, world_size, steps)
+    kind, bands = mechanism_kind(p, shard_mode)
+    if kind == "bandmf":
+        shard = banded_shard(shard, bands, world_size)
     delta = p.target_delta if p.target_delta is not None else default_delta(shard.population)
     notes = validate_privacy_args(p.target_epsilon, delta, p.noise_multiplier, p.max_grad_norm, shard.population)
     if p.noise_multiplier == 0:
         raise WorkbenchError("privacy.noise_multiplier=0 gives no privacy; use privacy.enabled=false for a non-private run")
+    # bandmf's T steps cost DP-SGD's ceil(T / b) (accounting/banded.py): calibrated as those, same accountant
+    counted = participations(steps, bands) if kind == "bandmf" else steps
     sigma = p.noise_multiplier if p.noise_multiplier is not None else cache.cached(
-        "calibrate_noise", lambda: calibrate_noise(p.accountant, shard.sample_rate, steps, p.target_epsilon, delta,
+        "calibrate_noise", lambda: calibrate_noise(p.accountant, shard.sample_rate, counted, p.target_epsilon, delta,
                                                    world_size, shard_mode),
-        kind=p.accountant, sample_rate=shard.sample_rate, steps=steps, target_epsilon=p.target_epsilon,
+        kind=p.accountant, sample_rate=shard.sample_rate, steps=counted, target_epsilon=p.target_epsilon,
         delta=delta, world_size=world_size, shard=shard_mode, code=code_version())
-    accountant = Accountant(p.accountant, shard.sample_rate, sigma, world_size, shard_mode)
+    accountant = BandMFAccountant(p.accountant, shard.sample_rate, sigma, bands, world_size, shard_mode) \
+        if kind == "bandmf" else Accountant(p.accountant, shard.sample_rate, sigma, world_size, shard_mode)
     if p.target_epsilon is not None:
         budget = cache.cached("max_steps", lambda: accountant.max_steps(p.target_epsilon, delta, steps),
                               accountant=accountant.state_dict(), target_epsilon=p.target_epsilon, delta=delta,
@@ -120,7 +141,37 @@ def plan(p: Any, shard: Shard, shard_mode: str, world_size: int, steps: int) -> 
             steps = budget
     clip = clip_schedule(p, shard.expected_batch)
     clip.gradient_noise(sigma)  # refused here, before any run exists, when the count's noise is too small
+    if kind == "bandmf":
+        dropped = shard.dropped
+        if dropped:
+            notes.append(f"privacy.mechanism=bandmf uses {shard.population} examples ({dropped} dropped) so that each "
+                         f"rank's shard splits into {bands} equal cyclic parts")
+        coefficients = cache.cached("bandmf_strategy", lambda: banded_strategy(bands, steps), num_bands=bands,
+                                    steps=steps, code=cache.code_version(("privacy/correlated.py",), ("scipy",)))
+        return Mechanism(shard, shard_mode, world_size, steps, p.max_grad_norm, sigma, delta, accountant, notes, clip,
+                         "bandmf", bands, tuple(coefficients))
     return Mechanism(shard, shard_mode, world_size, steps, p.max_grad_norm, sigma, delta, accountant, notes, clip)
+
+
+def mechanism_kind(p: Any, shard_mode: str) -> tuple[str, int]:
+    """(privacy.mechanism, b) of privacy settings ``p``, refusing in one line what is not built or not accounted."""
+    get = p.get if hasattr(p, "get") else lambda k, d=None: getattr(p, k, d)
+    kind, bands = get("mechanism", "dpsgd"), get("num_bands", 1)
+    if kind not in MECHANISMS:
+        raise WorkbenchError(f"privacy.mechanism={kind!r} is unknown; choose one of {', '.join(MECHANISMS)}")
+    if kind not in BUILT:
+        raise WorkbenchError(f"privacy.mechanism={kind} is not built yet; choose {' or '.join(BUILT)}")
+    if kind == "dpsgd":
+        return kind, 1
+    if not (isinstance(bands, int) and not isinstance(bands, bool) and bands >= 1):
+        raise WorkbenchError(f"privacy.num_bands must be an integer >= 1, got {bands!r}")
+    if shard_mode != "per_rank":
+        raise WorkbenchError("privacy.mechanism=bandmf supports ddp_shard=per_rank only (cyclic Poisson over each "
+                             "rank's shard); shard=global is not analysed for it")
+    if get("clipping", "fixed") != "fixed":
+        raise WorkbenchError("privacy.mechanism=bandmf supports privacy.clipping=fixed only (adaptive clipping's "
+                             "accounting with correlated noise is not built)")
+    return kind, int(bands)
 
 
 def clip_schedule(p: Any, expected_batch: int) -> FixedClip | AdaptiveClip:

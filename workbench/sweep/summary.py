@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from workbench import privacy
 from workbench.errors import WorkbenchError
+from workbench.privacy.accounting.banded import accountant_of
 from workbench.privacy.accounting.tuning import composed_epsilon, profile_epsilon, random_stopping_epsilon
 from workbench.tracking.tracker import MlflowTracker
 from workbench.tracking.uris import tracking_uri, ui_command
@@ -57,8 +58,7 @@ def _cost(runs, state: dict) -> tuple[dict[str, float], list[str]]:
         e = json.loads(event)
         # A point that ended early spent at most its planned steps: count those (an upper bound).
         steps = int(row["steps"]) if row["status"] == "FINISHED" and row.get("steps") == row.get("steps") else e["planned_steps"]
-        events.append((privacy.Accountant("pld", e["sample_rate"], e["noise_multiplier"], e["world_size"], e["shard"]),
-                       steps, e["delta"]))
+        events.append((accountant_of(e), steps, e["delta"]))  # bandmf's when the tag says so
         data.add(tuple(sorted((k, str(v)) for k, v in row.items() if k.startswith("params.data.train"))))
         units.add(e.get("unit", "example"))  # privacy.unit=user: workbench/privacy/users.py
     if not events and not (state.get("candidates") and s["tuning"] == "random_stopping"):
@@ -101,7 +101,7 @@ def _candidates(state: dict, events: list, notes: list[str]):
     mechanisms, unbounded, deltas = [], [], []
     for c in candidates:
         if "sample_rate" in c:
-            accountant = privacy.Accountant("pld", c["sample_rate"], c["noise_multiplier"], c["world_size"], c["shard"])
+            accountant = accountant_of(c)
             mechanisms.append((accountant, int(c["planned_steps"])))
             deltas.append(c["delta"])
         else:
@@ -115,7 +115,7 @@ def _candidates(state: dict, events: list, notes: list[str]):
 
 
 def _key(a: privacy.Accountant) -> tuple:
-    return (round(a.sample_rate, 12), round(a.noise_multiplier, 12), a.world_size, a.shard)
+    return (round(a.sample_rate, 12), round(a.noise_multiplier, 12), a.world_size, a.shard, getattr(a, "num_bands", 0))
 
 
 def _best(mechanisms, unbounded: list[str], delta: float | None, s: dict, notes: list[str]) -> dict[str, float]:
