@@ -1,6 +1,7 @@
 """Correlated noise by banded matrix factorization (privacy.mechanism=bandmf, issue 22): the strategy, the noise's
 covariance and memory, cyclic Poisson participation, the amplified-BandMF epsilon against dp_accounting built here
-and against jax_privacy 2.0.0 (a separate venv, `make oracle`'s .venv-oracle, built by `make test`), the refusals, a whole run, resume."""
+and against jax_privacy 2.0.0 (a separate venv, `make oracle`'s .venv-oracle, built by `make test`), the refusals,
+a whole run, resume."""
 
 import json
 import math
