@@ -61,8 +61,8 @@ MUTANTS = (
             "tests/test_sampling.py::test_pairs_of_examples_are_included_together_q_squared_of_the_time")),
     Mutant("accountant-q-of-other-shard-mode", "the accountant gets the other shard mode's q (per_rank: B / (W N))",
            "workbench/privacy/mechanism.py",
-           "accountant = Accountant(p.accountant, shard.sample_rate, sigma, world_size, shard_mode)",
-           "accountant = Accountant(p.accountant, __import__('workbench.privacy.sampling', fromlist=['_']).train_shard("
+           "else Accountant(p.accountant, shard.sample_rate, sigma, world_size, shard_mode)",
+           "else Accountant(p.accountant, __import__('workbench.privacy.sampling', fromlist=['_']).train_shard("
            "shard.population, 0, world_size, 'global' if shard_mode == 'per_rank' else 'per_rank', "
            "shard.expected_batch // world_size).sample_rate, sigma, world_size, shard_mode)",
            ("tests/test_distributed.py::test_parameters_stay_identical_and_only_rank_zero_tracks",)),
