@@ -148,3 +148,13 @@ def test_at_epsilon_one_per_user_the_reported_epsilon_stands(make_cfg):
                                                            result.delta), rel=1e-6)
     assert a.unit == "user" and a.epsilon_lower_bound < 1 and a.p_value_of_reported > 0.05, a
     assert np.isfinite(a.ideal_lower_bound) and a.ideal_lower_bound < 1
+
+
+def test_a_sweep_plans_an_audited_user_level_point_over_users_and_canary_users():
+    from workbench import compose
+    from workbench.job import planned_mechanism
+
+    fields = planned_mechanism(compose(["experiment=users", "audit=canaries", "audit.canaries=500", "tracking=off"]))
+    n_users = len(SyntheticUsers(num_users=1000, seed=0).users.unique())
+    assert fields["unit"] == "user" and fields["sample_rate"] == pytest.approx(64 / (n_users + 500))
+    assert fields["delta"] < 1 / (n_users + 500)
