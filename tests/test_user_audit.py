@@ -158,3 +158,18 @@ def test_a_sweep_plans_an_audited_user_level_point_over_users_and_canary_users()
     n_users = len(SyntheticUsers(num_users=1000, seed=0).users.unique())
     assert fields["unit"] == "user" and fields["sample_rate"] == pytest.approx(64 / (n_users + 500))
     assert fields["delta"] < 1 / (n_users + 500)
+
+
+@pytest.mark.slow
+def test_the_audit_cli_says_per_user(tmp_path):
+    import re
+
+    from tests.conftest import run_cli
+
+    ok = run_cli("experiment=users", "audit.canaries=100", "max_steps=5", "tracking.enabled=false", "disable_tqdm=true",
+                 f"output_dir={tmp_path / 'run'}", cwd=tmp_path, module=("-m", "workbench.audit"))
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    found = re.search(r"audit: epsilon >= (\S+) per user \(.*100 canary users.*reported epsilon (\S+) per user",
+                      ok.stdout)
+    assert found, ok.stdout
+    assert 0 <= float(found[1]) <= float(found[2]) <= 8.0
