@@ -3,7 +3,8 @@ example, appended after the data's users, sampled, clipped and noised as every u
 Checked: the canary users in the index and the data check's line (against counts made here from the raw data), the
 batch order a user-level step relies on, real audited runs (a weakly private one is caught, 0 < bound <= epsilon per
 user, epsilon equal to dp_accounting's with q = B / (N_users + m) computed here; at epsilon 1 per user the reported
-epsilon stands), and the one-line refusals that remain."""
+epsilon stands; two ranks with shard=global see the same updates and account the Binomial(2, q_r) mixture; the audit
+CLI says "per user"), a sweep's plan over users plus canary users, and the one-line refusals that remain."""
 
 from collections import Counter
 from statistics import median
@@ -173,3 +174,35 @@ def test_the_audit_cli_says_per_user(tmp_path):
                       ok.stdout)
     assert found, ok.stdout
     assert 0 <= float(found[1]) <= float(found[2]) <= 8.0
+
+
+def _audit_on_rank(overrides):
+    from workbench import compose, train
+
+    r = train(compose(overrides))
+    return r.epsilon, r.audit, r.sample_rate, r.noise_multiplier, r.delta, r.steps
+
+
+@pytest.mark.slow
+def test_two_ranks_with_shard_global_observe_the_same_updates_and_catch_a_weak_user_level_run(tmp_path):
+    """W=2 over gloo, shard=global: each canary user's multiplicity per step is Binomial(2, q_r), which the white-box
+    observer's likelihood ratio and the accountant both use; epsilon per user is dp_accounting's mixture of Gaussians
+    for q_r = B / (W N_users) computed here, and the bound is caught below it."""
+    from math import comb
+
+    from workbench import launch_distributed
+
+    overrides = [*_RUN, "per_device_train_batch_size=128", "ddp_shard=global", "backend=gloo", "max_steps=80",
+                 "privacy.noise_multiplier=0.5", "privacy.target_epsilon=null", "tracking.enabled=false",
+                 "disable_tqdm=true", f"output_dir={tmp_path / 'run'}"]
+    ranks = launch_distributed(_audit_on_rank, 2, overrides)
+    assert ranks[0] == ranks[1]  # every rank observed the same released updates
+    epsilon, a, q, sigma, delta, steps = ranks[0]
+    q_r = 256 / (2 * (_N_USERS + 1000))
+    assert q == pytest.approx(q_r) and sigma == 0.5 and steps == 80 and a.unit == "user"
+    probs = [comb(2, k) * q_r**k * (1 - q_r) ** (2 - k) for k in range(3)]
+    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=DEFAULT_PLD_DISCRETIZATION)
+    acc.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.dp_event.MixtureOfGaussiansDpEvent(0.5, [0, 1, 2], probs), 80))
+    assert epsilon == pytest.approx(acc.get_epsilon(delta), rel=1e-6)
+    assert 3 < a.epsilon_lower_bound <= epsilon, a
