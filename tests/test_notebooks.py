@@ -71,9 +71,23 @@ def test_quick_tour(tmp_path, monkeypatch):
     preset = re.search(r"images_resnet: eval_accuracy=(\S+) epsilon=(\S+) delta=\S+ steps=(\d+)", text)
     assert preset, "the preset cell printed no result"
     assert float(preset[1]) > 0.3 and 0 < float(preset[2]) <= 8 and int(preset[3]) == 40
-    # the rest of the tour runs at target_epsilon=3: drop the preset's lines (its summary and train's closing line)
+    # The user-level cell (experiment=users, its target 8 per user, 10 steps): epsilon per user within the target and
+    # equal to dp_accounting's for the printed q (checked to be 64 users of SyntheticUsers' 1000), sigma and delta;
+    # accuracy above chance (0.10; 0.58-0.60 measured over 2 secrets).
+    users = re.search(r"users: epsilon=(\S+) per user eval_accuracy=(\S+)\nusers: sample_rate=(\S+) "
+                      r"noise_multiplier=(\S+) delta=(\S+) steps=(\d+)", text)
+    assert users, "the user-level cell printed no result"
+    epsilon, accuracy, q, sigma, delta = map(float, users.groups()[:5])
+    assert 0 < epsilon <= 8 and accuracy > 0.3 and int(users[6]) == 10
+    assert q == pytest.approx(64 / 1000) and delta < 1 / 1000
+    assert epsilon == pytest.approx(_pld_epsilon(q, sigma, 10, delta), abs=1e-4)
+    done = re.search(rf"done: eval_accuracy={users[2]} .*epsilon=(\S+) at delta=\S+ per user", text)
+    assert done and float(done[1]) == pytest.approx(epsilon, abs=1e-3)  # the closing line says "per user" too
+    # the rest of the tour runs at target_epsilon=3: drop the preset's and the users' lines (their summaries and
+    # train's closing lines)
     text = "\n".join(line for line in text.splitlines() if preset[0] not in line
-                      and not line.startswith(f"done: eval_accuracy={preset[1]} "))
+                      and not line.startswith(f"done: eval_accuracy={preset[1]} ")
+                      and not line.startswith("users: ") and not line.startswith(f"done: eval_accuracy={users[2]} "))
     (target,) = set(number(text, "target_epsilon"))
     epsilons = number(text, "epsilon")
     assert len(epsilons) >= 2 and all(0 < e <= target for e in epsilons)  # one process, then two
@@ -87,6 +101,18 @@ def test_quick_tour(tmp_path, monkeypatch):
     clip, start, sigma_g, sigma, epsilon, accuracy = map(float, tuned.groups())
     assert clip > 0 and clip != start and sigma_g > sigma and 0 < epsilon <= target and accuracy > 0.5
     assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}" in text
+
+
+def _pld_epsilon(q: float, sigma: float, steps: int, delta: float) -> float:
+    """dp_accounting's PLD epsilon of Poisson-subsampled Gaussian steps, apart from the workbench's accountant."""
+    import dp_accounting
+
+    from workbench.privacy import DEFAULT_PLD_DISCRETIZATION
+
+    acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=DEFAULT_PLD_DISCRETIZATION)
+    acc.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps))
+    return acc.get_epsilon(delta)
 
 
 @pytest.mark.slow

@@ -223,7 +223,7 @@ def test_a_resumed_user_level_run_ends_bit_exact(make_cfg):
     (["experiment=users", "privacy.max_examples_per_user=0"], "privacy.max_examples_per_user must be >= 1"),
     (["experiment=users", "privacy.unit=person"], "privacy.unit='person' is unknown"),
     (["experiment=users", "privacy.clipping=adaptive"], "does not support privacy.clipping=adaptive"),
-    (["experiment=users", "audit=canaries"], "does not support audit=canaries"),
+    (["experiment=users", "audit=canaries", "privacy.mechanism=bandmf"], "cannot audit privacy.mechanism=bandmf"),
     (["experiment=users", "privacy.grad_sample_mode=bk"], "does not support grad_sample_mode=bk"),
     (["experiment=users", "privacy=none", "privacy.unit=user"], "does not support privacy.enabled=false"),
     (["experiment=users", "max_physical_batch_size=4"], "more than max_physical_batch_size=4"),
@@ -351,3 +351,35 @@ def test_the_plots_say_epsilon_is_per_user():
     assert "per user" in fig.axes[0].get_title() and "user inference" in fig.axes[0].get_title()
     fig = FIGURES["training_curves"](steps=[5], loss=[1.0], epsilon=[1.0], delta=1e-5)  # example level: as it was
     assert "per user" not in fig.axes[0].get_ylabel()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("audited", [False, True], ids=["plain", "canary_users"])
+def test_torchrun_two_processes_train_user_level_end_to_end(tmp_path, audited):
+    """A real ``torchrun --standalone --nproc-per-node=2`` job of the preset (gloo, shard=per_rank): one FINISHED run,
+    world_size 2, tagged privacy_unit=user, epsilon dp_accounting's for q_user = B / N_users computed here (with the
+    audit, N_users counts its canary users: 1000 + 200, 600 per rank, so none is dropped, and the bound per user stays
+    at or below epsilon per user)."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    audit = ["audit=canaries", "audit.canaries=200"] if audited else []
+    proc = run_cli("--standalone", "--nproc-per-node=2", "-m", "workbench", "experiment=users", "backend=gloo",
+                   "ddp_shard=per_rank", "max_steps=10", "per_device_train_batch_size=32", "disable_tqdm=true", *audit,
+                   cwd=tmp_path, env={"MLFLOW_TRACKING_URI": uri}, timeout=600, module=("-m", "torch.distributed.run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])  # one run, not per rank
+    m, tags = run.data.metrics, run.data.tags
+    assert run.info.status == "FINISHED" and m["world_size"] == 2 and tags["world_size"] == "2"
+    assert tags["privacy_unit"] == "user" and tags["ddp_shard"] == "per_rank"
+    n_users = len(SyntheticUsers(num_users=1000, seed=0).users.unique()) + (200 if audited else 0)
+    q_user = 32 * 2 / n_users
+    assert m["sample_rate"] == pytest.approx(q_user) and int(m["steps"]) == 10
+    assert m["delta"] < 1 / n_users and 0 < m["epsilon"] <= 8.0
+    assert m["epsilon"] == pytest.approx(_direct_epsilon(q_user, m["noise_multiplier"], 10, m["delta"]), rel=1e-6)
+    done = [line for line in proc.stdout.splitlines() if line.startswith("done:")]
+    assert len(done) == 1 and "per user" in done[0]  # rank 0 alone closes the job
+    if audited:
+        assert m["audit_canaries"] == 200 and 0 <= m["audit_epsilon_lower_bound"] <= m["epsilon"]
+        assert "audit: epsilon>=" in done[0] and done[0].count("per user") == 2

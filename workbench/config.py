@@ -406,7 +406,6 @@ def _check_unit(cfg: DictConfig) -> None:
         return
     why = ("privacy.enabled=false (a non-private baseline has no unit: add privacy.unit=example)" if not p.enabled else
            "privacy.clipping=adaptive (its count is per example)" if p.clipping == "adaptive" else
-           "audit=canaries (its canaries are examples, not users)" if cfg.audit.enabled else
            "grad_sample_mode=bk (it never forms the per-example gradients a user's mean is made of)"
            if p.grad_sample_mode == "bk" else None)
     if why:

@@ -111,21 +111,29 @@ def planned_mechanism(cfg: DictConfig) -> dict[str, Any]:
     trains): the fields of its ``workbench.dp_event`` tag, or ``{"private": False}``. The world size is the one its
     launcher asks for. Raises WorkbenchError when the run would be refused."""
     world_size = planned_world_size(cfg)
-    _, train_set, _ = training_sets(cfg)
-    train_set, index = user_index(cfg, train_set)
+    user_set, train_set, canaries = training_sets(cfg)
+    _, index = user_index(cfg, user_set, canaries)
     return mechanism_of(cfg, loaders.check_dataset(train_set, "training"), 0, world_size, index).event_fields()
 
 
-def user_index(cfg: DictConfig, train_set: Any) -> tuple[Any, users.UserIndex | None]:
-    """privacy.unit=user: the training set as the model sees it (without a user field) and its users
-    (workbench/privacy/users.py); otherwise the set as it is and None."""
+def user_index(cfg: DictConfig, train_set: Any, canaries: CanaryAudit | None = None
+               ) -> tuple[Any, users.UserIndex | None]:
+    """privacy.unit=user: the user's training set as the model sees it (without a user field) and its users
+    (workbench/privacy/users.py), then, with ``canaries``, the audit's canary users (one per slot, after the data's
+    users); otherwise the set as it is and None."""
     if cfg.privacy.unit != "user":
         return train_set, None
     key = cfg.data.get("user_key")
     by_example = _instantiate(key, "data.user_key", _partial_=True) if isinstance(key, DictConfig) else None
-    ids, train_set = data_users.user_ids(train_set, key, by_example)
+    ids, seen = data_users.user_ids(train_set, key, by_example)
     seed = cfg.data_seed if cfg.data_seed is not None else cfg.seed
-    return train_set, users.index_users(ids, cfg.privacy.max_examples_per_user, seed)
+    index = users.index_users(ids, cfg.privacy.max_examples_per_user, seed)
+    if canaries is not None:
+        if seen is not canaries.dataset.base:  # the canary slots sit after the examples the model sees
+            raise WorkbenchError("audit=canaries with privacy.unit=user needs the user id as a dataset attribute or a "
+                                 "_target_ callable, not a field of the examples")
+        index = canaries.users(index)
+    return seen, index
 
 
 def mechanism_of(cfg: DictConfig, dataset_size: int, rank: int, world_size: int,
@@ -175,8 +183,8 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
     torch.manual_seed(cfg.seed)
     autocast_dtype = _autocast_dtype(cfg, d.device)
     user_train_set, train_set, canaries = training_sets(cfg)
-    user_train_set, index = user_index(cfg, user_train_set)  # unit=user: canaries are refused (config.py)
-    train_set = user_train_set if index is not None else train_set
+    user_train_set, index = user_index(cfg, user_train_set, canaries)  # unit=user: with the audit's canary users
+    train_set = canaries.dataset if canaries else user_train_set
     user_callbacks = [*(_instantiate(c, "callbacks") for c in cfg.callbacks), *extra_callbacks]
     callbacks_.check(user_callbacks)
     eval_set = _instantiate(config.own_arguments(cfg, "data.eval"), "data.eval") if cfg.data.get("eval") is not None else None

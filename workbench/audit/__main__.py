@@ -20,9 +20,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     a = result.audit
-    print(f"audit: epsilon >= {a.epsilon_lower_bound:.3f} ({a.correct}/{a.guesses} correct, {a.observer} observer, "
-          f"{a.canaries} canaries, {a.tests} tests at significance {a.significance}); ideal {a.ideal_lower_bound:.3f}; "
-          f"reported epsilon {result.epsilon if result.epsilon is not None else 'inf (privacy=none)'}")
+    per, what = (" per user", "canary users") if a.unit == "user" else ("", "canaries")
+    print(f"audit: epsilon >= {a.epsilon_lower_bound:.3f}{per} ({a.correct}/{a.guesses} correct, {a.observer} observer, "
+          f"{a.canaries} {what}, {a.tests} tests at significance {a.significance}); ideal {a.ideal_lower_bound:.3f}; "
+          f"reported epsilon {result.epsilon if result.epsilon is not None else 'inf (privacy=none)'}{per}")
     return 0
 
 

@@ -16,6 +16,10 @@
   one unit (workbench/privacy/clipping/per_user.py), with the floating-point bound of clipping/bound.py per user.
 - **Accounting**: the example-level accountant with q_user and the run's steps, delta below 1/N_users: epsilon is
   per user (MLflow tag ``privacy_unit=user``, the closing line, the plots).
+- **Audit** (``audit=canaries``, workbench/privacy/auditing/canaries.py): each of the m canary slots is a user of its
+  own (:class:`CanaryUser`) with that one slot as its only example, appended after the data's users
+  (:func:`with_canary_users`): N_users and q count them whatever their membership, they are sampled, clipped (a
+  user's mean of one gradient is that gradient) and noised as every user is, and the audit's bound is per user.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class UserIndex:
     examples: list[list[int]]  # per user position: the dataset indices it contributes (at most `cap`, ascending)
     sizes: list[int]  # per user position: how many examples the user has before the cap
     cap: int  # k = privacy.max_examples_per_user
+    canaries: int = 0  # audit=canaries: the last `canaries` users are the audit's canary users, one slot each
 
     def __len__(self) -> int:
         return len(self.users)
@@ -51,11 +56,16 @@ class UserIndex:
         return sum(self.sizes) - sum(len(e) for e in self.examples)
 
     def describe(self) -> str:
-        """The data check's line: users' sizes and what the cap drops. Read from the raw data: printed on the console
-        of whoever runs the job, never sent to MLflow (it is not a differentially private release)."""
-        s = self.sizes
-        return (f"privacy.unit=user: {len(s)} users, examples per user min {min(s)} / median {median(s):g} / max "
+        """The data check's line: the data's users' sizes and what the cap drops (the audit's canary users are not
+        the data's: left out of the sizes, counted apart). Read from the raw data: printed on the console of whoever
+        runs the job, never sent to MLflow (it is not a differentially private release)."""
+        s = self.sizes[:len(self.sizes) - self.canaries]
+        line = (f"privacy.unit=user: {len(s)} users, examples per user min {min(s)} / median {median(s):g} / max "
                 f"{max(s)}; privacy.max_examples_per_user={self.cap} drops {self.dropped} of {sum(s)} examples")
+        if self.canaries:
+            line += (f"; audit=canaries adds {self.canaries} canary users of 1 example each "
+                     f"({len(self.sizes)} users sampled and accounted)")
+        return line
 
 
 def _key(user: Any) -> Any:
@@ -105,6 +115,23 @@ def index_users(user_of: Sequence[Any], cap: int, seed: int) -> UserIndex:
             own = [own[j] for j in sorted(pick.tolist())]
         kept.append(own)
     return UserIndex(users, kept, [len(m) for m in members], cap)
+
+
+@dataclass(frozen=True)
+class CanaryUser:
+    """The user id of the audit's canary slot ``slot`` (0-based): a type no ``data.user_key`` gives, so never equal
+    to one of the data's users."""
+
+    slot: int
+
+
+def with_canary_users(index: UserIndex, first_slot: int, m: int) -> UserIndex:
+    """``index`` with m users appended, canary user j holding the one dataset index ``first_slot + j`` (the audit's
+    slot j: workbench/privacy/auditing/canaries.py, CanaryDataset)."""
+    if index.canaries:
+        raise ValueError("the index already has canary users")
+    return UserIndex(index.users + [CanaryUser(j) for j in range(m)],
+                     index.examples + [[first_slot + j] for j in range(m)], index.sizes + [1] * m, index.cap, m)
 
 
 def user_shard(index: UserIndex, rank: int, world_size: int, mode: str, per_device_batch: int) -> Shard:

@@ -113,6 +113,7 @@ class AuditResult:
     delta: float
     p_value_of_reported: float | None  # Bonferroni-adjusted; None when no epsilon is reported (privacy=none)
     ideal_lower_bound: float | None = None
+    unit: str = "example"  # the unit of privacy the canaries are (privacy.unit=user: canary users; the bound is per user)
 
     def metrics(self) -> dict[str, float]:
         """What MLflow gets (beside epsilon and delta)."""

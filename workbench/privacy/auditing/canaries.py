@@ -13,6 +13,14 @@
   :func:`workbench.privacy.auditing.bound.white_box_llr`. Final model: how far w_j moved against its gradient, ``-w_j``.
 - **Shards.** Slots sit after the N examples; ``shard=per_rank`` drops the population's tail beyond a multiple of W,
   so up to W - 1 slots may never be sampled: the bound stays valid, those canaries only carry no signal.
+- **User level** (``privacy.unit=user``): canary slot j is a *canary user*, a user of its own with the slot as its
+  one example (:meth:`CanaryAudit.users`; the user id is :class:`workbench.privacy.users.CanaryUser`), appended after
+  the data's users. It joins the users' population whatever its membership (N_users and q_user count it), is drawn
+  with probability q_user like every user, and its mean gradient (of one example: C e_j) is clipped to C as one unit.
+  The released coordinate j is still K_t + sigma Z_t in units of C / B, B now the expected batch of users and K_t the
+  canary user's multiplicity (the same Bernoulli/Binomial law, of q_user), so the white-box likelihood ratio is exact
+  as it is; the observers score users and the bound is on epsilon per user. A canary user of one example is the
+  simplest valid choice: the mean of several copies of C e_j would be the same C e_j.
 - **What is kept.** The user's model never holds the block; checkpoints hold the user's model only, and the optimizer
   state for the block is left out (:meth:`CanaryAudit.without_canaries`).
 
@@ -34,6 +42,7 @@ from workbench.errors import WorkbenchError
 
 if TYPE_CHECKING:
     from workbench.privacy.mechanism import Mechanism
+    from workbench.privacy.users import UserIndex
 
 BLOCK = "audit.canaries"
 _MEMBERSHIP_STREAM = 0xA0D17  # keeps the membership draw apart from every other use of the secret
@@ -70,7 +79,8 @@ class CanaryDataset(Dataset):
 
     def __getitems__(self, indices):
         index = torch.as_tensor(indices, dtype=torch.long)
-        ordinary, slots = index[index < self.n].tolist(), index[index >= self.n] - self.n
+        is_slot = index >= self.n
+        ordinary, slots = index[~is_slot].tolist(), index[is_slot] - self.n
         parts = []
         if ordinary:
             got = self.base.__getitems__(ordinary) if hasattr(self.base, "__getitems__") else \
@@ -82,7 +92,13 @@ class CanaryDataset(Dataset):
                 raise RuntimeError("canary membership is drawn once the run's secret is known, before training")
             x = self.template_x.expand(len(slots), *self.template_x.shape)
             parts.append((_tag(x, self.ids[slots]), self.template_y.expand(len(slots), *self.template_y.shape)))
-        return tuple(torch.cat(t) for t in zip(*parts))
+        out = tuple(torch.cat(t) for t in zip(*parts))
+        if len(slots) and len(ordinary) and bool((is_slot[:-1] & ~is_slot[1:]).any()):
+            # A slot before an ordinary example: back to the order asked for (privacy.unit=user reads a batch as
+            # user after user, each user's examples where the sampler put them).
+            at = torch.cat([(~is_slot).nonzero().squeeze(1), is_slot.nonzero().squeeze(1)])
+            out = tuple(t[torch.argsort(at)] for t in out)
+        return out
 
 
 class AuditedModel(nn.Module):
@@ -158,6 +174,13 @@ class CanaryAudit:
         self.observer = WhiteBoxObserver(self.m, clip, mechanism.expected_batch, mechanism.noise_multiplier, self.probs)
         return self.observer
 
+    def users(self, index: UserIndex) -> UserIndex:
+        """``privacy.unit=user``: the data's users (of ``self.dataset.base``) and then one canary user per slot, each
+        holding its slot alone (workbench/privacy/users.py, with_canary_users)."""
+        from workbench.privacy.users import with_canary_users
+
+        return with_canary_users(index, self.dataset.n, self.m)
+
     def without_canaries(self, optimizer_state: dict[str, Any]) -> dict[str, Any]:
         """The optimizer's state dict as an unaudited run's: the block (the last parameter) and its state left out."""
         last = max(i for g in optimizer_state["param_groups"] for i in g["params"])
@@ -174,4 +197,4 @@ class CanaryAudit:
                                               observers=len(scores))
         from dataclasses import replace
 
-        return replace(found, ideal_lower_bound=ideal)
+        return replace(found, ideal_lower_bound=ideal, unit=getattr(mechanism, "unit", "example"))
