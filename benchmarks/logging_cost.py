@@ -1,7 +1,7 @@
 """What logging often costs a long run (issue 24): the epsilon on every logged line is a PLD composition.
 
-    python -m benchmarks.logging_cost [--quick] [--steps N] [--repeats R]   # writes benchmarks/logging_cost.json
-                                                                           # and LOGGING_COST.md
+    python -m benchmarks.logging_cost [--quick] [--steps N] [--repeats R]   # writes its json and markdown
+                                                                           # next to this script (not --quick)
 
 The default job (digits, MLP, DP-SGD at epsilon 8, tracking off) for ``--steps`` steps (3000; quick: 1000), run
 three ways side by side, interleaved, each repeat from an empty epsilon cache (a rerun would read its schedule back):
