@@ -10,6 +10,15 @@ once (or on a sequence (B, T, d)) is exact: its calls are summed per example bef
 
 It relies on what every per-sample mode relies on -- a layer's input rows are examples, one loss per example -- and on
 seeing every use of a weight. :meth:`BookKeeping.check` verifies this on a real batch before training.
+
+Shared ids (learned positions looked up with ``torch.arange(T)``): an nn.Embedding called on ids without the batch
+dimension gives an output every example reads by broadcasting, and its batched output gradient is the sum over the
+examples. Book-keeping calls such a layer on the ids expanded to (B, *ids.shape) instead (a forward pre-hook, present
+only during its own forwards): the same rows, one copy per example, so the broadcast that follows is elementwise and
+every value downstream is the same, while each example's copy now receives that example's own output gradient, so the
+Embedding rule is exact on it. Which layers are called so is read once, by the pre-run check (ids whose first
+dimension is not the batch's); the check also requires the losses to be those of the model's own forward, so an
+expansion that would change what the model computes is refused, never trained.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from workbench.privacy.clipping.base import LossFn, Strategy, check_tolerance, require_own
 from workbench.privacy.clipping.bound import add_exact, clip_factors, exact_float32, materialised, zero_rows
-from workbench.privacy.clipping.layers import rule_for, weighted_sum
+from workbench.privacy.clipping.layers import EmbeddingRule, rule_for, weighted_sum
 from workbench.errors import WorkbenchError
 
 
@@ -60,6 +69,14 @@ def refusal(layers: list[nn.Module]) -> str | None:
     return None
 
 
+def _same(losses: torch.Tensor, plain: torch.Tensor) -> bool:
+    """The hooked forward's losses are the model's own (to rounding: the same values reach different kernels)."""
+    if losses.shape != plain.shape:
+        return False
+    tol = check_tolerance(plain.dtype)
+    return bool(torch.allclose(losses, plain, rtol=tol, atol=tol * float(plain.abs().max()) if plain.numel() else 0.0))
+
+
 def _input(args: tuple, kwargs: dict) -> torch.Tensor:
     return args[0] if args else kwargs["input"]
 
@@ -77,7 +94,11 @@ class BookKeeping(Strategy):
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.layer_names = {m: n for n, m in model.named_modules()}
         self.checked = False
+        # nn.Embedding layers and their ids' rank, as the pre-run check saw them called: shared ids (True) or batch first
+        self.embeddings = {m for m in self.layers if isinstance(self.rules[m], EmbeddingRule)}
+        self.shared: dict[nn.Module, tuple[bool, int]] | None = None
         self._anchor = torch.zeros((), requires_grad=True)  # the leaf the backward is asked for: only taps reach it
+        self._expanded = False  # the last forward expanded shared ids
         self._arrived: dict | None = None  # during a backward: layer -> [per-sample gradients or None, kept calls]
         self._n = 0
 
@@ -88,6 +109,30 @@ class BookKeeping(Strategy):
         calls (layer, a, edge)."""
         kept: list[tuple[nn.Module, torch.Tensor, object]] = []
         taps = 0
+        n = len(batch) if hasattr(batch, "__len__") else None
+        seen: dict[nn.Module, tuple[bool, int]] = {}
+        expanded = []
+
+        def broadcast(m, args, kwargs):
+            """Shared ids (no batch dimension) expanded to one copy per example: see the module docstring."""
+            ids = _input(args, kwargs)
+            if n is None or not torch.is_tensor(ids):
+                return None
+            call = (ids.dim() == 0 or ids.shape[0] != n, ids.dim())
+            if collect or self.shared is None or m not in self.shared:  # the check reads how the layer is called
+                if seen.setdefault(m, call) != call:
+                    raise WorkbenchError(f"grad_sample_mode=bk: layer {self.layer_names[m]!r} (Embedding) is called "
+                                         "both with ids shared by the batch and with ids per example")
+            elif self.shared[m][1] != ids.dim() or (not self.shared[m][0] and ids.shape[0] != n):
+                raise WorkbenchError(f"grad_sample_mode=bk: layer {self.layer_names[m]!r} (Embedding) got ids of shape "
+                                     f"{tuple(ids.shape)} for a batch of {n}, not as in the pre-run check")
+            else:
+                call = self.shared[m]
+            if not call[0]:
+                return None
+            expanded.append(m)
+            ids = ids.expand(n, *ids.shape).contiguous()
+            return ((ids, *args[1:]), kwargs) if args else (args, {**kwargs, "input": ids})
 
         def record(m, args, kwargs, out):
             nonlocal taps
@@ -100,12 +145,25 @@ class BookKeeping(Strategy):
             taps += 1
             return _Tap.apply(out, self._anchor, functools.partial(self._arrive, m, a))
 
-        handles = [m.register_forward_hook(record, with_kwargs=True) for m in self.layers]
+        handles = [m.register_forward_pre_hook(broadcast, with_kwargs=True) for m in self.embeddings]
+        handles += [m.register_forward_hook(record, with_kwargs=True) for m in self.layers]
         try:
             losses = loss_fn(self.module, batch)
+        except WorkbenchError:
+            raise
+        except Exception as e:
+            if not expanded:
+                raise
+            # an expansion the model's code cannot take (e.g. it reshapes the output): bk cannot clip it exactly
+            raise WorkbenchError(f"grad_sample_mode=bk cannot expand the ids shared by the batch of layer "
+                                 f"{self.layer_names[expanded[0]]!r} (Embedding) to one copy per example: "
+                                 f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from e
         finally:
             for h in handles:
                 h.remove()
+        if collect:
+            self.shared = seen
+        self._expanded = bool(expanded)
         if not kept and not taps:
             raise WorkbenchError("grad_sample_mode=bk: no trainable layer ran in the model's forward")
         return losses, kept, taps
@@ -154,9 +212,17 @@ class BookKeeping(Strategy):
         was_training = self.module.training
         self.module.train()  # the mode it trains in, whatever mode it was handed over in
         try:
+            devices = [p.device for p in self.module.parameters() if p.device.type == "cuda"][:1]
+            with torch.random.fork_rng(devices=devices), torch.no_grad():  # the same dropout draws as the forward below
+                plain = loss_fn(self.module, batch)
             losses, arrived = self._backward(batch, loss_fn, retain=True, collect=True)
         finally:
             self.module.train(was_training)
+        if self._expanded and not _same(losses.detach(), plain):
+            # the expanded ids changed what the model computes (it used the output otherwise than by broadcasting)
+            name = next(self.layer_names[m] for m, (shared, _) in self.shared.items() if shared)
+            raise WorkbenchError(f"grad_sample_mode=bk: expanding the ids shared by the batch of layer {name!r} "
+                                 "(Embedding) to one copy per example changes the model's losses")
         layers = {m: calls for m, (_, calls) in arrived.items()}
         n = len(losses)
         params = [p for m in self.layers for p in m.parameters(recurse=False) if p.requires_grad]
