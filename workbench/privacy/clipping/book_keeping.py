@@ -110,7 +110,6 @@ class BookKeeping(Strategy):
         kept: list[tuple[nn.Module, torch.Tensor, object]] = []
         taps = 0
         n = len(batch) if hasattr(batch, "__len__") else None
-        seen: dict[nn.Module, tuple[bool, int]] = {}
         expanded = []
 
         def broadcast(m, args, kwargs):
@@ -118,17 +117,15 @@ class BookKeeping(Strategy):
             ids = _input(args, kwargs)
             if n is None or not torch.is_tensor(ids):
                 return None
-            call = (ids.dim() == 0 or ids.shape[0] != n, ids.dim())
-            if collect or self.shared is None or m not in self.shared:  # the check reads how the layer is called
-                if seen.setdefault(m, call) != call:
-                    raise WorkbenchError(f"grad_sample_mode=bk: layer {self.layer_names[m]!r} (Embedding) is called "
-                                         "both with ids shared by the batch and with ids per example")
-            elif self.shared[m][1] != ids.dim() or (not self.shared[m][0] and ids.shape[0] != n):
+            known = (self.shared or {}).get(m)
+            if known is None:  # not seen by the check: ids whose first dimension is not the batch's
+                shared = ids.dim() == 0 or ids.shape[0] != n
+            elif known[1] != ids.dim():
                 raise WorkbenchError(f"grad_sample_mode=bk: layer {self.layer_names[m]!r} (Embedding) got ids of shape "
-                                     f"{tuple(ids.shape)} for a batch of {n}, not as in the pre-run check")
+                                     f"{tuple(ids.shape)} for a batch of {n}, not of the rank the pre-run check saw")
             else:
-                call = self.shared[m]
-            if not call[0]:
+                shared = known[0]
+            if not shared:
                 return None
             expanded.append(m)
             ids = ids.expand(n, *ids.shape).contiguous()
@@ -145,7 +142,7 @@ class BookKeeping(Strategy):
             taps += 1
             return _Tap.apply(out, self._anchor, functools.partial(self._arrive, m, a))
 
-        handles = [m.register_forward_pre_hook(broadcast, with_kwargs=True) for m in self.embeddings]
+        handles = [m.register_forward_pre_hook(broadcast, with_kwargs=True) for m in self.embeddings if self.shared != {}]
         handles += [m.register_forward_hook(record, with_kwargs=True) for m in self.layers]
         try:
             losses = loss_fn(self.module, batch)
@@ -161,8 +158,6 @@ class BookKeeping(Strategy):
         finally:
             for h in handles:
                 h.remove()
-        if collect:
-            self.shared = seen
         self._expanded = bool(expanded)
         if not kept and not taps:
             raise WorkbenchError("grad_sample_mode=bk: no trainable layer ran in the model's forward")
@@ -205,6 +200,44 @@ class BookKeeping(Strategy):
         finally:
             self._arrived = None
 
+    def _classify(self, batch, loss_fn: LossFn) -> dict[nn.Module, tuple[bool, int]]:
+        """How each nn.Embedding is called: (shared, the ids' rank). Shared: its ids' first dimension does not follow
+        the batch's, read from forwards (without gradients) of the batch and of the batch less one example, so ids of
+        T positions are told from a batch of T examples."""
+        if not self.embeddings or not hasattr(batch, "__len__"):
+            return {}
+        n = len(batch)
+        sizes = [n] + ([n - 1] if n > 1 and hasattr(batch, "slice") else [])
+        seen: dict[nn.Module, list[set]] = {m: [set(), set()] for m in self.embeddings}
+
+        def hook(i):
+            def record(m, args, kwargs):
+                ids = _input(args, kwargs)
+                if torch.is_tensor(ids):
+                    seen[m][i].add((ids.dim(), ids.shape[0] if ids.dim() else None))
+            return record
+
+        devices = [p.device for p in self.module.parameters() if p.device.type == "cuda"][:1]
+        for i, size in enumerate(sizes):
+            handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for m in self.embeddings]
+            try:
+                with torch.random.fork_rng(devices=devices), torch.no_grad():
+                    loss_fn(self.module, batch if size == n else batch.slice(0, size))
+            finally:
+                for h in handles:
+                    h.remove()
+        out = {}
+        for m, (full, less) in seen.items():
+            if not full:
+                continue
+            if len(full) > 1 or len({d for d, _ in full | less}) > 1:
+                raise WorkbenchError(f"grad_sample_mode=bk: layer {self.layer_names[m]!r} (Embedding) is called with ids "
+                                     f"of several shapes {sorted(full)} in one forward; it cannot tell which are shared")
+            (dim, first), = full
+            follows = dim > 0 and first == n and (len(sizes) == 1 or less == {(dim, n - 1)})
+            out[m] = (not follows, dim)
+        return out
+
     def check(self, batch, loss_fn: LossFn) -> None:
         """On a real batch, in the model's training mode: each example's row of bk must be that example's own gradient
         (autograd's gradient of its loss alone). Time-major inputs, layers or losses that mix examples, and weights
@@ -212,6 +245,7 @@ class BookKeeping(Strategy):
         was_training = self.module.training
         self.module.train()  # the mode it trains in, whatever mode it was handed over in
         try:
+            self.shared = self._classify(batch, loss_fn)
             devices = [p.device for p in self.module.parameters() if p.device.type == "cuda"][:1]
             with torch.random.fork_rng(devices=devices), torch.no_grad():  # the same dropout draws as the forward below
                 plain = loss_fn(self.module, batch)
