@@ -114,6 +114,9 @@ def test_broadcast_parameters_get_each_examples_own_clipped_gradient(name, mode)
         x = x[:, :16]
     step = _step(make(), mode)
     step.check((x[:8], y[:8]))
+    if mode == "auto":  # bk expands shared ids and raw parameters per example; ReZero's scalar alpha expanded to (B,)
+        # would be read per feature, not per example: bk's check refuses it, hooks clips it
+        assert step.mode == {"shared_positions": "bk", "vit": "bk", "layer_scale_rezero": "hooks"}[name], step.mode_note
     step((x, y), step=0)  # 11 examples in micro-batches of 5: 5, 5, 1
     expected = _clipped_sum_loop(make, x, y, CLIP)
     for p, e in zip(step.params, expected):

@@ -57,9 +57,8 @@ def _vit():
 
 @pytest.mark.parametrize("name", ["gpt", "vit"])
 def test_gpt_and_vit_get_each_examples_own_clipped_gradient_through_auto(name):
-    """auto picks a mode whose pre-run check passes (bk for gpt: its position embedding, called with ids shared by the
-    batch, is expanded to one copy per example; a per-layer mode where one covers the vit's raw parameters), and the
-    clipped sum is the oracle's."""
+    """auto picks bk, whose pre-run check passes: gpt's position embedding, called with ids shared by the batch, and
+    vit's raw cls token and position table are expanded to one copy per example; the clipped sum is the oracle's."""
     torch.manual_seed(1)
     if name == "gpt":
         make, criterion = _gpt, TokenCrossEntropy()
@@ -79,8 +78,7 @@ def test_gpt_and_vit_get_each_examples_own_clipped_gradient_through_auto(name):
                         grad_sample_mode="auto", max_physical_batch_size=4)
     step.check((x[:4], y[:4]))
     assert step.mode_note.startswith(f"grad_sample_mode=auto: {step.mode}")
-    if name == "gpt":
-        assert step.mode == "bk" and step.mode_note == "grad_sample_mode=auto: bk"
+    assert step.mode == "bk" and step.mode_note == "grad_sample_mode=auto: bk"
     step((x, y), step=0)  # 7 examples in micro-batches of 4 and 3
     for p, e in zip(step.params, expected.grads):
         torch.testing.assert_close(p.grad.double(), e, rtol=CLIPPED_RTOL, atol=1e-7)
@@ -95,8 +93,7 @@ def test_gpt_and_vit_presets_compose_and_take_dp_steps(make_cfg, capsys, name, m
                    "tracking=off", *small)
     assert cfg.model._target_ == f"workbench.models.{name.upper() if name == 'gpt' else 'ViT'}"
     result = train(cfg)
-    if name == "gpt":  # auto's line: bk, no faster mode skipped (issue 21)
-        assert "grad_sample_mode=auto: bk\n" in capsys.readouterr().out
+    assert "grad_sample_mode=auto: bk\n" in capsys.readouterr().out  # auto's line (issue 21)
     assert result.steps == 2 and metric in result.metrics and result.epsilon > 0
 
 

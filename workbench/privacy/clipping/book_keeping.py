@@ -28,10 +28,11 @@ import functools
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
+from torch.nn.utils.stateless import _reparametrize_module
 
 from workbench.privacy.clipping.base import LossFn, Strategy, check_tolerance, require_own
 from workbench.privacy.clipping.bound import add_exact, clip_factors, exact_float32, materialised, zero_rows
-from workbench.privacy.clipping.layers import EmbeddingRule, rule_for, weighted_sum
+from workbench.privacy.clipping.layers import RULES, EmbeddingRule, _precise, rule_for, weighted_sum
 from workbench.errors import WorkbenchError
 
 
@@ -57,11 +58,48 @@ def trainable_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
 
 
-def refusal(layers: list[nn.Module]) -> str | None:
-    """Why book-keeping cannot clip these layers (None: it can)."""
+def raw_owner(m: nn.Module) -> bool:
+    """A module of the user's own (not torch's, no layer with a rule) whose own trainable parameters are raw: a cls
+    token, a position table, a layer-scale gamma, read by broadcasting over the batch (see :class:`_Raw`)."""
+    return rule_for(m)[0] is None and not type(m).__module__.startswith("torch.") \
+        and not isinstance(m, tuple(RULES)) and not isinstance(m, torch.nn.modules.lazy.LazyModuleMixin)
+
+
+class _Raw:
+    """One raw parameter as book-keeping's "layer": during its forwards the parameter p is replaced by p expanded to
+    one copy per example ((B, *p.shape[1:]) for a leading dimension of 1, else (B, *p.shape)), so an op that broadcast
+    it over the batch is elementwise, every value the same, and the gradient of copy i is example i's own gradient
+    of p. The pre-run check requires the losses to be the model's own and every example's gradient to be autograd's:
+    a parameter used otherwise (a matmul weight, a sum) is refused, never trained."""
+
+    def __init__(self, owner: nn.Module, name: str, full: str):
+        self.owner, self.name, self.full = owner, name, full
+        self.weight = getattr(owner, name)
+
+    def expand(self, n: int) -> torch.Tensor:
+        p = self.weight
+        return p.expand(n, *p.shape[1:]) if p.dim() and p.shape[0] == 1 else p.expand(n, *p.shape)
+
+
+class RawRule:
+    """Per-sample gradients of a raw parameter: the gradient of example i's copy, (n, *p.shape), always formed."""
+
+    @staticmethod
+    def per_sample(h: _Raw, a, g):
+        return {"weight": _precise(g).reshape(len(g), *h.weight.shape)}
+
+    @staticmethod
+    def sample(h: _Raw, calls, k, absolute=False):
+        out = sum(g[k] for _, g in calls).reshape(h.weight.shape)
+        return {"weight": out.abs() if absolute else out}
+
+
+def refusal(layers: list[nn.Module], raw: bool = True) -> str | None:
+    """Why book-keeping cannot clip these layers (None: it can); ``raw``: modules of the user's own whose parameters
+    are raw count as clipped (:class:`_Raw`, checked on real examples before training)."""
     for m in layers:
         _, why = rule_for(m)
-        if why:
+        if why and not (raw and raw_owner(m)):
             return why
     params = [p for m in layers for p in m.parameters(recurse=False)]
     if len({id(p) for p in params}) < len(params):  # a per-layer norm would split a shared weight's norm in two
@@ -91,14 +129,19 @@ class BookKeeping(Strategy):
         if why:
             raise WorkbenchError(f"grad_sample_mode=bk {why}: use grad_sample_mode=auto")
         self.rules = {m: rule_for(m)[0] for m in self.layers}
+        names = {m: n for n, m in model.named_modules()}
+        self.raw = [_Raw(m, k, f"{names[m]}.{k}".lstrip(".")) for m in self.layers if self.rules[m] is None
+                    for k, p in m.named_parameters(recurse=False) if p.requires_grad]
+        self.rules.update({h: RawRule() for h in self.raw})
+        self.hooked = [m for m in self.layers if self.rules[m] is not None]
         self.names = {id(p): n for n, p in model.named_parameters()}
-        self.layer_names = {m: n for n, m in model.named_modules()}
+        self.layer_names = {m: n for n, m in model.named_modules()} | {h: h.full for h in self.raw}
         self.checked = False
         # nn.Embedding layers and their ids' rank, as the pre-run check saw them called: shared ids (True) or batch first
-        self.embeddings = {m for m in self.layers if isinstance(self.rules[m], EmbeddingRule)}
+        self.embeddings = {m for m in self.hooked if isinstance(self.rules[m], EmbeddingRule)}
         self.shared: dict[nn.Module, tuple[bool, int]] | None = None
         self._anchor = torch.zeros((), requires_grad=True)  # the leaf the backward is asked for: only taps reach it
-        self._expanded = False  # the last forward expanded shared ids
+        self._expanded: list[str] = []  # what the last forward expanded per example: shared ids, raw parameters
         self._arrived: dict | None = None  # during a backward: layer -> [per-sample gradients or None, kept calls]
         self._n = 0
 
@@ -143,22 +186,36 @@ class BookKeeping(Strategy):
             return _Tap.apply(out, self._anchor, functools.partial(self._arrive, m, a))
 
         handles = [m.register_forward_pre_hook(broadcast, with_kwargs=True) for m in self.embeddings if self.shared != {}]
-        handles += [m.register_forward_hook(record, with_kwargs=True) for m in self.layers]
+        handles += [m.register_forward_hook(record, with_kwargs=True) for m in self.hooked]
+        raw = {}
+        if self.raw and n is not None:  # raw parameters: one copy per example, tapped as a layer output (see _Raw)
+            dummy = torch.empty(n, 0)
+            for h in self.raw:
+                z = h.expand(n)
+                if collect:
+                    kept.append((h, dummy, get_gradient_edge(z)))
+                else:
+                    taps += 1
+                    z = _Tap.apply(z, self._anchor, functools.partial(self._arrive, h, dummy))
+                raw[h.full] = z
+            expanded.extend(self.raw)
         try:
-            losses = loss_fn(self.module, batch)
+            with _reparametrize_module(self.module, raw):
+                losses = loss_fn(self.module, batch)
         except WorkbenchError:
             raise
         except Exception as e:
             if not expanded:
                 raise
             # an expansion the model's code cannot take (e.g. it reshapes the output): bk cannot clip it exactly
-            raise WorkbenchError(f"grad_sample_mode=bk cannot expand the ids shared by the batch of layer "
-                                 f"{self.layer_names[expanded[0]]!r} (Embedding) to one copy per example: "
+            what = "raw parameter" if isinstance(expanded[0], _Raw) else "the ids shared by the batch of layer"
+            raise WorkbenchError(f"grad_sample_mode=bk cannot expand {what} "
+                                 f"{self.layer_names[expanded[0]]!r} to one copy per example: "
                                  f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from e
         finally:
             for h in handles:
                 h.remove()
-        self._expanded = bool(expanded)
+        self._expanded = [self.layer_names[m] for m in expanded]
         if not kept and not taps:
             raise WorkbenchError("grad_sample_mode=bk: no trainable layer ran in the model's forward")
         return losses, kept, taps
@@ -253,10 +310,9 @@ class BookKeeping(Strategy):
         finally:
             self.module.train(was_training)
         if self._expanded and not _same(losses.detach(), plain):
-            # the expanded ids changed what the model computes (it used the output otherwise than by broadcasting)
-            name = next(self.layer_names[m] for m, (shared, _) in self.shared.items() if shared)
-            raise WorkbenchError(f"grad_sample_mode=bk: expanding the ids shared by the batch of layer {name!r} "
-                                 "(Embedding) to one copy per example changes the model's losses")
+            # an expansion changed what the model computes (it used the tensor otherwise than by broadcasting)
+            raise WorkbenchError(f"grad_sample_mode=bk: expanding {', '.join(sorted(set(self._expanded)))} (shared "
+                                 "ids or raw parameters) to one copy per example changes the model's losses")
         layers = {m: calls for m, (_, calls) in arrived.items()}
         n = len(losses)
         params = [p for m in self.layers for p in m.parameters(recurse=False) if p.requires_grad]
