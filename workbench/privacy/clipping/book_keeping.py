@@ -163,7 +163,7 @@ class BookKeeping(Strategy):
             known = (self.shared or {}).get(m)
             if known is None:  # not seen by the check: ids whose first dimension is not the batch's
                 shared = ids.dim() == 0 or ids.shape[0] != n
-            elif known[1] != ids.dim():
+            elif known[0] and known[1] != ids.dim():
                 raise WorkbenchError(f"grad_sample_mode=bk: layer {self.layer_names[m]!r} (Embedding) got ids of shape "
                                      f"{tuple(ids.shape)} for a batch of {n}, not of the rank the pre-run check saw")
             else:
@@ -287,12 +287,16 @@ class BookKeeping(Strategy):
         for m, (full, less) in seen.items():
             if not full:
                 continue
-            if len(full) > 1 or len({d for d, _ in full | less}) > 1:
+            follows = all(d > 0 and first == n for d, first in full) and \
+                (len(sizes) == 1 or less == {(d, n - 1) for d, _ in full})
+            if follows:  # every call batch first (one or several ranks): per example, as bk always read them
+                out[m] = (False, None)
+            elif len(full) == 1 and len({d for d, _ in less}) <= 1:
+                out[m] = (True, next(iter(full))[0])
+            else:
                 raise WorkbenchError(f"grad_sample_mode=bk: layer {self.layer_names[m]!r} (Embedding) is called with ids "
-                                     f"of several shapes {sorted(full)} in one forward; it cannot tell which are shared")
-            (dim, first), = full
-            follows = dim > 0 and first == n and (len(sizes) == 1 or less == {(dim, n - 1)})
-            out[m] = (not follows, dim)
+                                     f"of several shapes {sorted(full)} in one forward, not all batch first; it cannot "
+                                     "tell which are shared by the batch")
         return out
 
     def check(self, batch, loss_fn: LossFn) -> None:
