@@ -19,6 +19,10 @@ every value downstream is the same, while each example's copy now receives that 
 Embedding rule is exact on it. Which layers are called so is read once, by the pre-run check (ids whose first
 dimension is not the batch's); the check also requires the losses to be those of the model's own forward, so an
 expansion that would change what the model computes is refused, never trained.
+
+Raw parameters (a ViT's cls token and position table, nn.Parameters of the user's own module read by broadcasting)
+are expanded alike, one copy per example, and tapped as a layer output: each copy's gradient is its example's
+gradient of the parameter (:class:`_Raw`), formed per example and clipped as other formed gradients are.
 """
 
 from __future__ import annotations
