@@ -4,7 +4,8 @@ issue 21's book-keeping rules (gpt: ``vmap``; vit: ``hooks``) and ``auto`` now (
 model, timed in one process on the same replayed Poisson batches, interleaved (benchmarks.common.interleaved), as ratios
 to the non-private step; peak step memory as benchmarks.throughput measures it.
 
-    python -m benchmarks.issue21            # writes benchmarks/presets_gpt_vit.json
+    python -m benchmarks.issue21            # writes benchmarks/presets_gpt_vit.json (one run; the committed file
+                                            # holds two, under "runs", taken at different loads of a shared machine)
 """
 
 from __future__ import annotations
