@@ -260,17 +260,78 @@ def test_every_mode_clips_the_swapped_attention_exactly(mode):
         torch.testing.assert_close(p.grad.double(), e, rtol=CLIPPED_RTOL, atol=1e-7)
 
 
-def test_shared_position_ids_in_a_gpt_block_fall_back_to_per_example_gradients_of_the_whole_model():
+class _Batched:
+    """A loss_fn for BookKeeping called directly: the (ids, labels) batch with a length, as GradientStep's Batch."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+
+def _ce(model, b):
+    return nn.functional.cross_entropy(model(b.x), b.y, reduction="none")
+
+
+@pytest.mark.parametrize("padding", [False, True], ids=["plain", "padded"])
+def test_shared_position_ids_in_a_gpt_block_clip_exactly_in_book_keeping(padding):
+    """pos(torch.arange(T)): ids without the batch dimension, expanded by bk to one copy per example. auto picks bk;
+    each example's gradient of the position table is the oracle's (its own loss alone, float64); the clipped sum of
+    9 examples in micro-batches of 4, 4 and 1 (one of them padded) is the oracle's."""
+    from tests.oracle import clipped_sum, rows
+    from workbench.privacy.clipping.book_keeping import BookKeeping
+
     torch.manual_seed(0)
-    model, _ = prepare_model(GPTBlock(shared_positions=True), private=True)
+    model, _ = prepare_model(GPTBlock(shared_positions=True, padding=padding), private=True)
     x, y = _ids(), torch.randint(0, 11, (9,))
     step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=0.1,
                         noise_multiplier=0.0, grad_sample_mode="auto", max_physical_batch_size=4)
     step.check((x[:8], y[:8]))
-    assert step.mode == "vmap" and "model.pos (Embedding)" in step.mode_note
+    assert step.mode == "bk" and step.mode_note == "grad_sample_mode=auto: bk", step.mode_note
+    assert step.clipper.shared == {model.pos: (True, 1), model.tok: (False, None)}
+    expected = clipped_sum(model, rows(x, y), 0.1)
+    assert expected.clipped >= 3  # the clip bites
     step((x, y), step=0)
-    for p, e in zip(step.params, _clipped_sum_loop(model, x, y, 0.1)):
+    for p, e in zip(step.params, expected.grads):
         torch.testing.assert_close(p.grad.double(), e, rtol=CLIPPED_RTOL, atol=1e-7)
+    # each example's own gradient of the shared table, as bk forms it, against the oracle's (no clipping)
+    bk = BookKeeping(model, 1.0)
+    bk.check(_Batched(x, y), _ce)
+    _, arrived = bk._backward(_Batched(x, y), _ce, retain=False, collect=True)
+    rule, calls = bk.rules[model.pos], arrived[model.pos][1]
+    assert [tuple(a.shape) for a, _ in calls] == [(9, 6)]  # expanded: one copy of the ids per example
+    where = next(i for i, p in enumerate(q for q in model.parameters() if q.requires_grad) if p is model.pos.weight)
+    for k in range(9):
+        own = clipped_sum(model, rows(x[k:k + 1], y[k:k + 1]), float("inf")).grads
+        mine = rule.sample(model.pos, [(a.double(), g.double()) if a.is_floating_point() else (a, g.double())
+                                       for a, g in calls], k)["weight"]
+        torch.testing.assert_close(mine, own[where], rtol=1e-5, atol=1e-7)
+
+
+def test_shared_ids_are_told_from_a_batch_as_long_and_an_expansion_that_changes_the_function_leaves_bk():
+    """A check batch as long as the sequence (ids (T,) for T examples) is still told shared (the check also looks at
+    the batch less one example): bk. An output used otherwise than by broadcasting (summed over positions) would change
+    the losses if expanded: bk is refused and auto falls to vmap. Both the oracle's clipped sum."""
+
+    class Summed(GPTBlock):
+        def forward(self, ids):
+            h = self.tok(ids) + self.pos(torch.arange(ids.shape[1])).sum(0)  # (d,): every position's row
+            return self.head(self.block(h).mean(1))
+
+    x, y = _ids(), torch.randint(0, 11, (9,))
+    for make, check, mode in ((lambda: GPTBlock(shared_positions=True), 6, "bk"), (lambda: Summed(), 8, "vmap")):
+        torch.manual_seed(0)
+        model, _ = prepare_model(make(), private=True)
+        step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=0.1,
+                            noise_multiplier=0.0, grad_sample_mode="auto", max_physical_batch_size=4)
+        step.check((x[:check], y[:check]))
+        assert step.mode == mode, step.mode_note
+        if mode == "vmap":
+            assert "bk" in step.mode_note and "model.pos (Embedding)" in step.mode_note, step.mode_note
+        step((x, y), step=0)
+        for p, e in zip(step.params, _clipped_sum_loop(model, x, y, 0.1)):
+            torch.testing.assert_close(p.grad.double(), e, rtol=CLIPPED_RTOL, atol=1e-7)
 
 
 def test_replace_leaves_subclasses_to_opacus_and_turns_off_nested_tensors():

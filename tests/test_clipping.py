@@ -321,17 +321,20 @@ def test_every_mode_checks_each_example_against_autograd_before_training(mode):
                             grad_sample_mode=mode)
 
     step(nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 3))).check((x, y))  # a sound model passes
-    if mode == "auto":  # both are exact by per-example gradients of the whole model, which auto falls back to
-        for model, batch in ((_FunctionalUse(), (x, y)), (_BroadcastPositions(), (_ids(), y))):
+    if mode == "auto":  # exact by per-example gradients of the whole model, which auto falls back to; shared
+        # position ids by bk, which expands them per example (tests/test_model_zoo.py: both against the per-example loop)
+        for model, batch, chosen_mode in ((_FunctionalUse(), (x, y), "vmap"), (_BroadcastPositions(), (_ids(), y), "bk")):
             chosen = step(model)
             chosen.check(batch)
-            assert chosen.mode == "vmap"  # tests/test_model_zoo.py checks such models against the per-example loop
+            assert chosen.mode == chosen_mode, chosen.mode_note
         return
     with pytest.raises(WorkbenchError, match="gradient of 'fc.weight' is not its own|ew cannot compute"):
         step(_FunctionalUse()).check((x, y))
-    if mode in ("bk", "hooks"):
+    if mode == "hooks":
         with pytest.raises(WorkbenchError, match="'pos'|batch"):
             step(_BroadcastPositions()).check((_ids(), y))
+    if mode == "bk":  # ids shared by the batch: expanded per example, checked against autograd
+        step(_BroadcastPositions()).check((_ids(), y))
 
 
 @pytest.mark.parametrize("mode", ["bk", "hooks", "functorch", "ew"])

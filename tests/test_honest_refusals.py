@@ -193,6 +193,7 @@ def test_the_pre_run_check_names_the_module_that_mixes_examples(mode):
 
 
 def test_the_pre_run_check_names_a_layer_fed_without_a_batch_dimension():
-    message = _step_refusal(SharedPositions(), "bk", torch.randn(8, 64))
+    # hooks (bk expands ids shared by the batch per example and clips them: tests/test_attention.py)
+    message = _step_refusal(SharedPositions(), "hooks", torch.randn(8, 64))
     assert "model.pos (Embedding) is called on an input of shape (8,) that has no batch dimension" in message
     assert "grad_sample_mode=auto" in message and "torch.arange(T).expand(B, T)" in message

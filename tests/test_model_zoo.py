@@ -114,16 +114,30 @@ def test_broadcast_parameters_get_each_examples_own_clipped_gradient(name, mode)
         x = x[:, :16]
     step = _step(make(), mode)
     step.check((x[:8], y[:8]))
+    if mode == "auto":  # bk expands shared ids and raw parameters per example; ReZero's scalar alpha expanded to (B,)
+        # would be read per feature, not per example: bk's check refuses it, hooks clips it
+        assert step.mode == {"shared_positions": "bk", "vit": "bk", "layer_scale_rezero": "hooks"}[name], step.mode_note
     step((x, y), step=0)  # 11 examples in micro-batches of 5: 5, 5, 1
     expected = _clipped_sum_loop(make, x, y, CLIP)
     for p, e in zip(step.params, expected):
         torch.testing.assert_close(p.grad.double(), e, rtol=CLIPPED_RTOL, atol=1e-7)
 
 
+class SummedPositions(SharedPositions):
+    """The position rows summed over positions, (d,), then broadcast: expanding the ids per example would change it."""
+
+    def forward(self, x):
+        h = self.fc(x.view(len(x), self.t, 4)) + self.pos(torch.arange(self.t, device=x.device)).sum(0)
+        return self.head(torch.tanh(h).mean(1))
+
+
 def test_auto_picks_the_fastest_mode_whose_check_passes_and_says_why_faster_ones_were_skipped():
-    step = _step(SharedPositions(), "auto")
-    assert step.mode == "bk"  # what the layers allow: bk has a rule for each
     x, y = _data(8)
+    shared = _step(SharedPositions(), "auto")  # ids shared by the batch: bk expands them, its check passes
+    shared.check((x, y))
+    assert shared.mode == "bk" and shared.mode_note == "grad_sample_mode=auto: bk"
+    step = _step(SummedPositions(), "auto")
+    assert step.mode == "bk"  # what the layers allow: bk has a rule for each
     step.check((x, y))
     assert step.mode == "vmap"
     note = step.mode_note
@@ -135,13 +149,14 @@ def test_auto_picks_the_fastest_mode_whose_check_passes_and_says_why_faster_ones
 
 
 def test_auto_falls_back_on_the_first_step_when_no_check_ran_before_training():
-    make = _made(SharedPositions)
-    x, y = _data()
-    step = _step(make(), "auto")
-    step((x, y), step=0)
-    assert step.mode == "vmap"
-    for p, e in zip(step.params, _clipped_sum_loop(make, x, y, CLIP)):
-        torch.testing.assert_close(p.grad.double(), e, rtol=CLIPPED_RTOL, atol=1e-7)
+    for cls, mode in ((SharedPositions, "bk"), (SummedPositions, "vmap")):
+        make = _made(cls)
+        x, y = _data()
+        step = _step(make(), "auto")
+        step((x, y), step=0)
+        assert step.mode == mode
+        for p, e in zip(step.params, _clipped_sum_loop(make, x, y, CLIP)):
+            torch.testing.assert_close(p.grad.double(), e, rtol=CLIPPED_RTOL, atol=1e-7)
 
 
 def test_vmap_draws_dropout_per_example_and_its_check_passes():

@@ -57,8 +57,8 @@ def _vit():
 
 @pytest.mark.parametrize("name", ["gpt", "vit"])
 def test_gpt_and_vit_get_each_examples_own_clipped_gradient_through_auto(name):
-    """auto picks a mode whose pre-run check passes (vmap for gpt: its position embedding has no batch dimension; a
-    faster per-layer mode where one covers the vit's raw parameters), and the clipped sum is the oracle's."""
+    """auto picks bk, whose pre-run check passes: gpt's position embedding, called with ids shared by the batch, and
+    vit's raw cls token and position table are expanded to one copy per example; the clipped sum is the oracle's."""
     torch.manual_seed(1)
     if name == "gpt":
         make, criterion = _gpt, TokenCrossEntropy()
@@ -78,15 +78,14 @@ def test_gpt_and_vit_get_each_examples_own_clipped_gradient_through_auto(name):
                         grad_sample_mode="auto", max_physical_batch_size=4)
     step.check((x[:4], y[:4]))
     assert step.mode_note.startswith(f"grad_sample_mode=auto: {step.mode}")
-    if name == "gpt":
-        assert step.mode == "vmap" and "model.pos (Embedding)" in step.mode_note
+    assert step.mode == "bk" and step.mode_note == "grad_sample_mode=auto: bk"
     step((x, y), step=0)  # 7 examples in micro-batches of 4 and 3
     for p, e in zip(step.params, expected.grads):
         torch.testing.assert_close(p.grad.double(), e, rtol=CLIPPED_RTOL, atol=1e-7)
 
 
 @pytest.mark.parametrize("name,metric", [("gpt", "eval_perplexity"), ("vit", "eval_accuracy")])
-def test_gpt_and_vit_presets_compose_and_take_dp_steps(make_cfg, name, metric):
+def test_gpt_and_vit_presets_compose_and_take_dp_steps(make_cfg, capsys, name, metric):
     from workbench import train
 
     small = ["data.train.size=256", "data.eval.size=64"] if name == "gpt" else []
@@ -94,6 +93,7 @@ def test_gpt_and_vit_presets_compose_and_take_dp_steps(make_cfg, name, metric):
                    "tracking=off", *small)
     assert cfg.model._target_ == f"workbench.models.{name.upper() if name == 'gpt' else 'ViT'}"
     result = train(cfg)
+    assert "grad_sample_mode=auto: bk\n" in capsys.readouterr().out  # auto's line (issue 21)
     assert result.steps == 2 and metric in result.metrics and result.epsilon > 0
 
 

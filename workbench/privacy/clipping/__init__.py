@@ -41,6 +41,12 @@ def candidate_modes(model: nn.Module, mixed_precision: bool = False) -> list[str
     (per-example gradients of the whole model by torch.func, :mod:`workbench.privacy.clipping.whole_model`), the
     universal route. GradientStep takes the first whose pre-run check passes on real examples."""
     first = fastest_grad_sample_mode(model)
+    layers = book_keeping.trainable_layers(model)
+    if first == "bk" and book_keeping.refusal(layers, raw=False) is not None:
+        # bk only by raw parameters (a cls token, a position table): the other modes as the layers alone allow
+        first = "ew" if all(type(m) in _EW_LAYERS for m in layers) else "hooks"
+        return ["bk", *[m for m in ["ew", "hooks"][["ew", "hooks"].index(first):]
+                       if not (mixed_precision and m == "ew")], "vmap"]
     modes = ["bk", "ew", "hooks"][["bk", "ew", "hooks"].index(first):]
     if mixed_precision:  # ew's clipped sum cannot run in mixed precision (GradientStep refuses it)
         modes = [m for m in modes if m != "ew"]

@@ -10,6 +10,19 @@ once (or on a sequence (B, T, d)) is exact: its calls are summed per example bef
 
 It relies on what every per-sample mode relies on -- a layer's input rows are examples, one loss per example -- and on
 seeing every use of a weight. :meth:`BookKeeping.check` verifies this on a real batch before training.
+
+Shared ids (learned positions looked up with ``torch.arange(T)``): an nn.Embedding called on ids without the batch
+dimension gives an output every example reads by broadcasting, and its batched output gradient is the sum over the
+examples. Book-keeping calls such a layer on the ids expanded to (B, *ids.shape) instead (a forward pre-hook, present
+only during its own forwards): the same rows, one copy per example, so the broadcast that follows is elementwise and
+every value downstream is the same, while each example's copy now receives that example's own output gradient, so the
+Embedding rule is exact on it. Which layers are called so is read once, by the pre-run check (ids whose first
+dimension is not the batch's); the check also requires the losses to be those of the model's own forward, so an
+expansion that would change what the model computes is refused, never trained.
+
+Raw parameters (a ViT's cls token and position table, nn.Parameters of the user's own module read by broadcasting)
+are expanded alike, one copy per example, and tapped as a layer output: each copy's gradient is its example's
+gradient of the parameter (:class:`_Raw`), formed per example and clipped as other formed gradients are.
 """
 
 from __future__ import annotations
@@ -19,10 +32,11 @@ import functools
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
+from torch.nn.utils.stateless import _reparametrize_module
 
 from workbench.privacy.clipping.base import LossFn, Strategy, check_tolerance, require_own
 from workbench.privacy.clipping.bound import add_exact, clip_factors, exact_float32, materialised, zero_rows
-from workbench.privacy.clipping.layers import rule_for, weighted_sum
+from workbench.privacy.clipping.layers import RULES, EmbeddingRule, _precise, rule_for, weighted_sum
 from workbench.errors import WorkbenchError
 
 
@@ -48,16 +62,61 @@ def trainable_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
 
 
-def refusal(layers: list[nn.Module]) -> str | None:
-    """Why book-keeping cannot clip these layers (None: it can)."""
+def raw_owner(m: nn.Module) -> bool:
+    """A module of the user's own (not torch's, no layer with a rule) whose own trainable parameters are raw: a cls
+    token, a position table, a layer-scale gamma, read by broadcasting over the batch (see :class:`_Raw`)."""
+    return rule_for(m)[0] is None and not type(m).__module__.startswith("torch.") \
+        and not isinstance(m, tuple(RULES)) and not isinstance(m, torch.nn.modules.lazy.LazyModuleMixin)
+
+
+class _Raw:
+    """One raw parameter as book-keeping's "layer": during its forwards the parameter p is replaced by p expanded to
+    one copy per example ((B, *p.shape[1:]) for a leading dimension of 1, else (B, *p.shape)), so an op that broadcast
+    it over the batch is elementwise, every value the same, and the gradient of copy i is example i's own gradient
+    of p. The pre-run check requires the losses to be the model's own and every example's gradient to be autograd's:
+    a parameter used otherwise (a matmul weight, a sum) is refused, never trained."""
+
+    def __init__(self, owner: nn.Module, name: str, full: str):
+        self.owner, self.name, self.full = owner, name, full
+        self.weight = getattr(owner, name)
+
+    def expand(self, n: int) -> torch.Tensor:
+        p = self.weight
+        return p.expand(n, *p.shape[1:]) if p.dim() and p.shape[0] == 1 else p.expand(n, *p.shape)
+
+
+class RawRule:
+    """Per-sample gradients of a raw parameter: the gradient of example i's copy, (n, *p.shape), always formed."""
+
+    @staticmethod
+    def per_sample(h: _Raw, a, g):
+        return {"weight": _precise(g).reshape(len(g), *h.weight.shape)}
+
+    @staticmethod
+    def sample(h: _Raw, calls, k, absolute=False):
+        out = sum(g[k] for _, g in calls).reshape(h.weight.shape)
+        return {"weight": out.abs() if absolute else out}
+
+
+def refusal(layers: list[nn.Module], raw: bool = True) -> str | None:
+    """Why book-keeping cannot clip these layers (None: it can); ``raw``: modules of the user's own whose parameters
+    are raw count as clipped (:class:`_Raw`, checked on real examples before training)."""
     for m in layers:
         _, why = rule_for(m)
-        if why:
+        if why and not (raw and raw_owner(m)):
             return why
     params = [p for m in layers for p in m.parameters(recurse=False)]
     if len({id(p) for p in params}) < len(params):  # a per-layer norm would split a shared weight's norm in two
         return "cannot clip a parameter shared between layers (tied weights)"
     return None
+
+
+def _same(losses: torch.Tensor, plain: torch.Tensor) -> bool:
+    """The hooked forward's losses are the model's own (to rounding: the same values reach different kernels)."""
+    if losses.shape != plain.shape:
+        return False
+    tol = check_tolerance(plain.dtype)
+    return bool(torch.allclose(losses, plain, rtol=tol, atol=tol * float(plain.abs().max()) if plain.numel() else 0.0))
 
 
 def _input(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -74,10 +133,19 @@ class BookKeeping(Strategy):
         if why:
             raise WorkbenchError(f"grad_sample_mode=bk {why}: use grad_sample_mode=auto")
         self.rules = {m: rule_for(m)[0] for m in self.layers}
+        names = {m: n for n, m in model.named_modules()}
+        self.raw = [_Raw(m, k, f"{names[m]}.{k}".lstrip(".")) for m in self.layers if self.rules[m] is None
+                    for k, p in m.named_parameters(recurse=False) if p.requires_grad]
+        self.rules.update({h: RawRule() for h in self.raw})
+        self.hooked = [m for m in self.layers if self.rules[m] is not None]
         self.names = {id(p): n for n, p in model.named_parameters()}
-        self.layer_names = {m: n for n, m in model.named_modules()}
+        self.layer_names = {m: n for n, m in model.named_modules()} | {h: h.full for h in self.raw}
         self.checked = False
+        # nn.Embedding layers and their ids' rank, as the pre-run check saw them called: shared ids (True) or batch first
+        self.embeddings = {m for m in self.hooked if isinstance(self.rules[m], EmbeddingRule)}
+        self.shared: dict[nn.Module, tuple[bool, int]] | None = None
         self._anchor = torch.zeros((), requires_grad=True)  # the leaf the backward is asked for: only taps reach it
+        self._expanded: list[str] = []  # what the last forward expanded per example: shared ids, raw parameters
         self._arrived: dict | None = None  # during a backward: layer -> [per-sample gradients or None, kept calls]
         self._n = 0
 
@@ -88,6 +156,27 @@ class BookKeeping(Strategy):
         calls (layer, a, edge)."""
         kept: list[tuple[nn.Module, torch.Tensor, object]] = []
         taps = 0
+        n = len(batch) if hasattr(batch, "__len__") else None
+        expanded = []
+
+        def broadcast(m, args, kwargs):
+            """Shared ids (no batch dimension) expanded to one copy per example: see the module docstring."""
+            ids = _input(args, kwargs)
+            if n is None or not torch.is_tensor(ids):
+                return None
+            known = (self.shared or {}).get(m)
+            if known is None:  # not seen by the check: ids whose first dimension is not the batch's
+                shared = ids.dim() == 0 or ids.shape[0] != n
+            elif known[0] and known[1] != ids.dim():
+                raise WorkbenchError(f"grad_sample_mode=bk: layer {self.layer_names[m]!r} (Embedding) got ids of shape "
+                                     f"{tuple(ids.shape)} for a batch of {n}, not of the rank the pre-run check saw")
+            else:
+                shared = known[0]
+            if not shared:
+                return None
+            expanded.append(m)
+            ids = ids.expand(n, *ids.shape).contiguous()
+            return ((ids, *args[1:]), kwargs) if args else (args, {**kwargs, "input": ids})
 
         def record(m, args, kwargs, out):
             nonlocal taps
@@ -100,12 +189,37 @@ class BookKeeping(Strategy):
             taps += 1
             return _Tap.apply(out, self._anchor, functools.partial(self._arrive, m, a))
 
-        handles = [m.register_forward_hook(record, with_kwargs=True) for m in self.layers]
+        handles = [m.register_forward_pre_hook(broadcast, with_kwargs=True) for m in self.embeddings if self.shared != {}]
+        handles += [m.register_forward_hook(record, with_kwargs=True) for m in self.hooked]
+        raw = {}
+        if self.raw and n is not None:  # raw parameters: one copy per example, tapped as a layer output (see _Raw)
+            dummy = torch.empty(n, 0)
+            for h in self.raw:
+                z = h.expand(n)
+                if collect:
+                    kept.append((h, dummy, get_gradient_edge(z)))
+                else:
+                    taps += 1
+                    z = _Tap.apply(z, self._anchor, functools.partial(self._arrive, h, dummy))
+                raw[h.full] = z
+            expanded.extend(self.raw)
         try:
-            losses = loss_fn(self.module, batch)
+            with _reparametrize_module(self.module, raw):
+                losses = loss_fn(self.module, batch)
+        except WorkbenchError:
+            raise
+        except Exception as e:
+            if not expanded:
+                raise
+            # an expansion the model's code cannot take (e.g. it reshapes the output): bk cannot clip it exactly
+            what = "raw parameter" if isinstance(expanded[0], _Raw) else "the ids shared by the batch of layer"
+            raise WorkbenchError(f"grad_sample_mode=bk cannot expand {what} "
+                                 f"{self.layer_names[expanded[0]]!r} to one copy per example: "
+                                 f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from e
         finally:
             for h in handles:
                 h.remove()
+        self._expanded = [self.layer_names[m] for m in expanded]
         if not kept and not taps:
             raise WorkbenchError("grad_sample_mode=bk: no trainable layer ran in the model's forward")
         return losses, kept, taps
@@ -147,6 +261,48 @@ class BookKeeping(Strategy):
         finally:
             self._arrived = None
 
+    def _classify(self, batch, loss_fn: LossFn) -> dict[nn.Module, tuple[bool, int]]:
+        """How each nn.Embedding is called: (shared, the ids' rank). Shared: its ids' first dimension does not follow
+        the batch's, read from forwards (without gradients) of the batch and of the batch less one example, so ids of
+        T positions are told from a batch of T examples."""
+        if not self.embeddings or not hasattr(batch, "__len__"):
+            return {}
+        n = len(batch)
+        sizes = [n] + ([n - 1] if n > 1 and hasattr(batch, "slice") else [])
+        seen: dict[nn.Module, list[set]] = {m: [set(), set()] for m in self.embeddings}
+
+        def hook(i):
+            def record(m, args, kwargs):
+                ids = _input(args, kwargs)
+                if torch.is_tensor(ids):
+                    seen[m][i].add((ids.dim(), ids.shape[0] if ids.dim() else None))
+            return record
+
+        devices = [p.device for p in self.module.parameters() if p.device.type == "cuda"][:1]
+        for i, size in enumerate(sizes):
+            handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for m in self.embeddings]
+            try:
+                with torch.random.fork_rng(devices=devices), torch.no_grad():
+                    loss_fn(self.module, batch if size == n else batch.slice(0, size))
+            finally:
+                for h in handles:
+                    h.remove()
+        out = {}
+        for m, (full, less) in seen.items():
+            if not full:
+                continue
+            follows = all(d > 0 and first == n for d, first in full) and \
+                (len(sizes) == 1 or less == {(d, n - 1) for d, _ in full})
+            if follows:  # every call batch first (one or several ranks): per example, as bk always read them
+                out[m] = (False, None)
+            elif len(full) == 1 and len({d for d, _ in less}) <= 1:
+                out[m] = (True, next(iter(full))[0])
+            else:
+                raise WorkbenchError(f"grad_sample_mode=bk: layer {self.layer_names[m]!r} (Embedding) is called with ids "
+                                     f"of several shapes {sorted(full)} in one forward, not all batch first; it cannot "
+                                     "tell which are shared by the batch")
+        return out
+
     def check(self, batch, loss_fn: LossFn) -> None:
         """On a real batch, in the model's training mode: each example's row of bk must be that example's own gradient
         (autograd's gradient of its loss alone). Time-major inputs, layers or losses that mix examples, and weights
@@ -154,9 +310,17 @@ class BookKeeping(Strategy):
         was_training = self.module.training
         self.module.train()  # the mode it trains in, whatever mode it was handed over in
         try:
+            self.shared = self._classify(batch, loss_fn)
+            devices = [p.device for p in self.module.parameters() if p.device.type == "cuda"][:1]
+            with torch.random.fork_rng(devices=devices), torch.no_grad():  # the same dropout draws as the forward below
+                plain = loss_fn(self.module, batch)
             losses, arrived = self._backward(batch, loss_fn, retain=True, collect=True)
         finally:
             self.module.train(was_training)
+        if self._expanded and not _same(losses.detach(), plain):
+            # an expansion changed what the model computes (it used the tensor otherwise than by broadcasting)
+            raise WorkbenchError(f"grad_sample_mode=bk: expanding {', '.join(sorted(set(self._expanded)))} (shared "
+                                 "ids or raw parameters) to one copy per example changes the model's losses")
         layers = {m: calls for m, (_, calls) in arrived.items()}
         n = len(losses)
         params = [p for m in self.layers for p in m.parameters(recurse=False) if p.requires_grad]

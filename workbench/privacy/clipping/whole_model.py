@@ -2,7 +2,8 @@
 loss), the universal route. It needs no rule per layer and no hook, so it covers what the per-layer modes cannot see:
 parameters used outside a layer and broadcast over the batch (learned positions looked up with ids shared by the
 batch, cls tokens, position tables, layer-scale gammas, ReZero alphas), weights used by several layers, any layer
-type. Each example's gradient is formed in full (memory: the batch times the trainable parameters), then clipped and
+type (book-keeping now clips shared position ids and a user's own raw parameters too, by expanding them per example,
+where its check passes: workbench/privacy/clipping/book_keeping.py). Each example's gradient is formed in full (memory: the batch times the trainable parameters), then clipped and
 summed exactly as the other materialised modes are, from the very tensors summed
 (:class:`~workbench.privacy.clipping.opacus_modes.PerSampleGradients`, :mod:`workbench.privacy.clipping.bound`).
 
