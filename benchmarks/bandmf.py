@@ -15,8 +15,8 @@ b = 2 the middle ground. Nothing else is tuned for BandMF (the learning rate is 
 the other mechanism. Seeds 0 .. N-1 (``--seeds``, 3 by default), the noise from a fresh secret per run. ``--text``
 adds a second panel, the text_classifier preset (tiny BERT, 80 steps of B = 256 over 8000 synthetic sentences, b = 4:
 p = 0.128; needs the hf extra), DP-SGD and b = 4 only: about 30 s a run on 2 shared cores against the digits job's 5 s.
-``--only text_classifier --seeds 2`` measures that panel alone and keeps the digits panel already in the json (how
-the committed figure was made: the digits panel with 3 seeds, the text one with 2).
+``--only text_classifier`` measures that panel alone and keeps the digits panel already in the json (how the
+committed figure was made: the digits panel, then the text one apart; the noise row is the later run's).
 Accuracy is not speed: it does not depend on the machine's load.
 
 Noise cost. On one flat buffer of 2^20 float32 numbers (a ~1M-parameter model), the time of one step's ``add_`` of
