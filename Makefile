@@ -44,6 +44,7 @@ bench: install
 	$(PY) -m benchmarks
 	$(PY) -m benchmarks.adaptive_clipping
 	$(PY) -m benchmarks.dp_adam
+	$(PY) -m benchmarks.bandmf --text
 
 bench-quick: install
 	$(PY) -m benchmarks --quick

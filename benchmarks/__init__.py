@@ -39,4 +39,5 @@ a markdown table in benchmarks/ and a picture in docs/):
 
     python -m benchmarks.adaptive_clipping   # fixed C vs privacy.clipping=adaptive, C 10x too small/tuned/10x too large
     python -m benchmarks.dp_adam             # optimizer=dp_adamw vs AdamW vs SGD at epsilon 1 and 8
+    python -m benchmarks.bandmf --text       # privacy.mechanism=bandmf vs dpsgd at epsilon 1, 3, 8 (digits, text); the noise's cost
 """

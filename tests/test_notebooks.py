@@ -2,6 +2,7 @@
 the committed copies carry no outputs."""
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -127,7 +128,31 @@ def test_privacy_utility_sweep(tmp_path, monkeypatch):
     assert private[1.0][1] < private[8.0][1] <= baseline[0] + 0.02  # more privacy costs accuracy
     # The parent's summary: publishing the three private points costs more than the largest alone; the best only, less
     # than all (random stopping), still more than one point; the baseline is named as not private.
-    (all_points,) = set(number(text, "sweep_epsilon_all"))  # the sweep's closing line and the summary agree
+    # the sweep's closing line and the summary agree; the third is the closing line of the BandMF sweep below
+    first, summarised, mf_all = number(text, "sweep_epsilon_all")
+    assert first == summarised
+    all_points = first
     (best,) = number(text, "sweep_epsilon_best")
     assert max(e for e, _ in private.values()) < best and max(e for e, _ in private.values()) < all_points
     assert "points=4 finished=4 failed=0" in text and "is not private" in text
+    # DP-SGD versus BandMF (issue 22): four points, each within its target, its epsilon the independent one (BandMF:
+    # DP-SGD's Poisson Gaussian over ceil(T / b) participations, from dp_accounting here), and both learn
+    import dp_accounting
+    from dp_accounting.pld import PLDAccountant
+
+    from workbench.privacy import DEFAULT_PLD_DISCRETIZATION
+
+    rows = re.findall(r"mechanism=(\w+) bands=(\d+) target=(\S+) spent=(\S+) sigma=(\S+) q=(\S+) steps=(\d+) "
+                      r"accuracy=(\S+)", text)
+    mf = {(m, float(t)): (int(b), float(e), float(s), float(q), int(n), float(a)) for m, b, t, e, s, q, n, a in rows}
+    assert len(rows) == 4 and set(mf) == {(m, t) for m in ("dpsgd", "bandmf") for t in (1.0, 8.0)}
+    for (m, t), (b, e, sigma, q, steps, accuracy) in mf.items():
+        event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
+        count = math.ceil(steps / b) if m == "bandmf" else steps
+        direct = PLDAccountant(value_discretization_interval=DEFAULT_PLD_DISCRETIZATION).compose(
+            dp_accounting.SelfComposedDpEvent(event, count)).get_epsilon(1e-5)
+        assert e <= t and e == pytest.approx(direct, rel=1e-4) and accuracy > 0.3
+    assert mf["bandmf", 1.0][0] == 4 and mf["bandmf", 1.0][3] == pytest.approx(4 * 256 / 1436)  # b B / N, N cut to 4k
+    assert mf["dpsgd", 1.0][4] == mf["bandmf", 1.0][4]  # the same steps
+    assert all(mf[m, 1.0][5] < mf[m, 8.0][5] for m in ("dpsgd", "bandmf"))  # more privacy costs accuracy
+    assert mf_all > max(v[1] for v in mf.values())  # publishing all four costs more than the largest alone
