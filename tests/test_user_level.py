@@ -354,7 +354,7 @@ def test_the_plots_say_epsilon_is_per_user():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("audited", [False, True], ids=["plain", "canary_users"])
+@pytest.mark.parametrize("audited", [True], ids=["canary_users"])  # the plain run's checks are all made here too
 def test_torchrun_two_processes_train_user_level_end_to_end(tmp_path, audited):
     """A real ``torchrun --standalone --nproc-per-node=2`` job of the preset (gloo, shard=per_rank): one FINISHED run,
     world_size 2, tagged privacy_unit=user, epsilon dp_accounting's for q_user = B / N_users computed here (with the
