@@ -47,7 +47,7 @@ bench: install
 	$(PY) -m benchmarks.bandmf --text
 
 bench-quick: install
-	$(PY) -m benchmarks --quick
+	$(PY) -m pytest -q -m bench tests/test_benchmarks.py   # every quick figure written, with its targets checked
 
 clean:
 	rm -rf $(VENV) $(ORACLE) outputs multirun mlflow.db

@@ -25,6 +25,7 @@ def _goals(fig: dict) -> dict[str, tuple[str, float]]:
 
 
 @pytest.mark.slow
+@pytest.mark.bench  # five minutes of benchmarks: run by make bench-quick, beside make bench, not by make test
 def test_quick_benchmarks_write_every_figure(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     # From the repository root: opacus installs a top-level `benchmarks` package of its own into site-packages.
