@@ -125,14 +125,8 @@ def draw(r: dict, path: Path, title: str) -> None:
     grouped_bars(r["rows"], CLIPPINGS, path, title, [f"C={row['C']:g}\n{label}" for label, row in r["rows"].items()])
 
 
-def grouped_bars(rows: dict, series: tuple[str, ...], path: Path, title: str, xlabels: list[str]) -> None:
-    """Mean eval accuracy per (row, series) as bars, each seed as a dot."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+def bars_on(ax, rows: dict, series, fmt: str) -> None:
+    """On ``ax``: each row's mean eval accuracy per series as a bar (labelled with ``fmt``), each seed as a dot."""
     width = 0.8 / len(series)
     for j, k in enumerate(series):
         xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(rows))]
@@ -142,7 +136,18 @@ def grouped_bars(rows: dict, series: tuple[str, ...], path: Path, title: str, xl
             vals = row[k]["eval_accuracy"]["values"]
             ax.plot([x] * len(vals), vals, "k.", markersize=4)
         for x, m in zip(xs, means):
-            ax.annotate(f"{m:.2f}", (x, m), ha="center", va="bottom", fontsize=7)
+            ax.annotate(fmt.format(m), (x, m), ha="center", va="bottom", fontsize=7)
+
+
+def grouped_bars(rows: dict, series: tuple[str, ...], path: Path, title: str, xlabels: list[str]) -> None:
+    """Mean eval accuracy per (row, series) as bars, each seed as a dot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars_on(ax, rows, series, "{:.2f}")
     ax.set_xticks(range(len(rows)), xlabels)
     ax.set_ylabel("eval_accuracy (bars: mean; dots: seeds)")
     ax.set_ylim(0, 1.15)

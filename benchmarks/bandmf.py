@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.adaptive_clipping import quiet, summarize, train_point
+from benchmarks.adaptive_clipping import bars_on, quiet, summarize, train_point
 from benchmarks.common import REPO, set_threads
 
 EPSILONS = (1.0, 3.0, 8.0)
@@ -175,16 +175,7 @@ def draw(r: dict, path: Path) -> None:
     for ax, (job, j) in zip(axes[0], jobs.items()):
         rows = j["rows"]
         series = [m for m in MECHANISMS if m in next(iter(rows.values()))]
-        width = 0.8 / len(series)
-        for k, m in enumerate(series):
-            xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(rows))]
-            means = [row[m]["eval_accuracy"]["mean"] for row in rows.values()]
-            ax.bar(xs, means, width, label=m)
-            for x, row in zip(xs, rows.values()):
-                vals = row[m]["eval_accuracy"]["values"]
-                ax.plot([x] * len(vals), vals, "k.", markersize=4)
-            for x, mean in zip(xs, means):
-                ax.annotate(f"{mean:.3f}", (x, mean), ha="center", va="bottom", fontsize=7)
+        bars_on(ax, rows, series, "{:.3f}")
         ax.set_xticks(range(len(rows)), list(rows))
         lo = min(v for row in rows.values() for m in series for v in row[m]["eval_accuracy"]["values"])
         ax.set_ylim(max(0.0, lo - 0.1), 1.02)
