@@ -251,3 +251,20 @@ def test_models_at_checkpoints_need_the_model_logged(make_cfg):
     with pytest.raises(WorkbenchError, match="tracking.log_model_checkpoints needs tracking.log_model=true") as e:
         train(make_cfg("experiment=quick", "tracking.log_model_checkpoints=true", "tracking.log_model=false"))
     assert "\n" not in str(e.value)
+
+
+def test_rerunning_a_finished_run_logs_and_registers_its_model_once(make_cfg, mlflow_uri):
+    """A finished run started again on its own folder (a requeued job with resume_from_checkpoint=latest_or_new that
+    had already ended) resumes its MLflow run at its last step: its model is already there, READY, and registered.
+    It stays one MLflow model and one registered version."""
+    cfg = make_cfg("experiment=quick", "max_steps=4", "tracking.register_model=once", "tracking.system_metrics_interval=0")
+    first = train(cfg)
+    cfg.resume_from_checkpoint = "latest_or_new"
+    again = train(cfg)
+    client = MlflowClient(mlflow_uri)
+    assert again.run_id == first.run_id and again.steps == first.steps == 4
+    run = client.get_run(first.run_id)
+    models = client.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{first.run_id}'")
+    assert [(m.name, m.tags["workbench.steps"]) for m in models] == [("model", "4")]
+    assert [str(v.version) for v in client.search_model_versions("name='once'")] == ["1"]
+    assert run.info.status == "FINISHED"

@@ -70,3 +70,32 @@ def test_the_old_import_paths_name_the_same_objects():
         for name in names:
             assert getattr(tracking, name) is getattr(module, name), f"workbench.tracking.{name}"
     assert callable(tracking.main)
+
+
+def test_the_end_waits_for_a_slow_store_that_answers_and_gives_up_on_a_silent_one():
+    """finish() drains with ``stalled``: its timeout counts from the last operation sent. A store that answers every
+    call slowly (a loaded machine) gets everything, however long the queue takes in all; a silent one is given up on
+    after the timeout (its calls are then spooled), and a plain drain stays a bound on the total wait."""
+    import time
+
+    from workbench.tracking.outbox import Outbox
+
+    def slow(op):
+        time.sleep(0.15)
+
+    for stalled, expect in ((True, True), (False, False)):
+        box = Outbox(slow)
+        for i in range(6):  # 0.9 s of sends in all, 0.15 s each: more than the 0.5 s timeout, less per call
+            box.put(("tags", {"i": i}))
+        assert box.drain(0.5, stalled=stalled) is expect
+        box.close()
+
+    def silent(op):
+        raise OSError("no answer")
+
+    box = Outbox(silent)
+    box.put(("tags", {}))
+    t = time.monotonic()
+    assert box.drain(0.5, stalled=True) is False
+    assert 0.5 <= time.monotonic() - t < 3
+    assert box.close() == [("tags", {})]

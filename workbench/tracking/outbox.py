@@ -67,6 +67,7 @@ class Outbox:
         self._ops: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
+        self._sent = 0  # operations sent so far: drain's sign of progress
         self.last_error: str | None = None  # the newest failure, one line; None once a send succeeds again
         self._thread = threading.Thread(target=self._work, name="workbench-tracking-outbox", daemon=True)
         self._thread.start()
@@ -98,16 +99,25 @@ class Outbox:
                 if sent:
                     if self._ops and self._ops[0] is op:
                         self._ops.popleft()
+                        self._sent += 1
                     self.last_error, delay = None, RETRY_MIN
                     self._cond.notify_all()
                 else:  # the server is away: try the same operation again later (close() cuts the wait short)
                     self._cond.wait(delay)
                     delay = min(2 * delay, RETRY_MAX)
 
-    def drain(self, timeout: float) -> bool:
-        """Wait until every operation is sent, at most `timeout` seconds; True when none is left."""
+    def drain(self, timeout: float, stalled: bool = False) -> bool:
+        """Wait until every operation is sent, at most `timeout` seconds; True when none is left. ``stalled``: the
+        `timeout` is counted from the last operation sent instead, so a store that is slow but answering (a loaded
+        machine, a large model upload) is waited for, and only one that stopped answering is given up on."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._ops or self._closed, timeout) and not self._ops
+            while True:
+                sent = self._sent
+                woke = self._cond.wait_for(lambda: not self._ops or self._closed or (stalled and self._sent != sent),
+                                           timeout)
+                if woke and self._ops and not self._closed:
+                    continue  # progress (stalled only): wait another `timeout` for the next one
+                return not self._ops
 
     def pending(self) -> list[tuple]:
         """What is not sent yet, oldest first."""

@@ -257,6 +257,8 @@ def log_model(client, run_id: str, path: str, meta: dict) -> None:
         # its advice on pickle (that loading one runs code) is a line at the end of every job: README says it once
         logging.getLogger("mlflow.pytorch").setLevel(logging.ERROR)
         run = _retry(lambda: client.get_run(run_id))
+        if _already_logged(client, run, meta):  # a rerun of a finished run, or the outbox replaying a sent op
+            return
         # Made here, in the run's experiment and with the run's source tags: MLflow's own would file it under the
         # process's active experiment, with this (worker) process as its source.
         source = {k: v for k, v in run.data.tags.items() if k.startswith(("mlflow.source.", "mlflow.user"))}
@@ -292,9 +294,22 @@ def log_model(client, run_id: str, path: str, meta: dict) -> None:
             log.warning("the trained model was not registered as %r: %s", name, message)
 
 
+def _already_logged(client, run, meta: dict) -> bool:
+    """Whether the run already holds this model (its name, at its step, READY), and its registration if one is asked:
+    logging is then a no-op, so that one model is one MLflow model and one registered version."""
+    name, step = meta.get("name", "model"), str(meta.get("privacy", {}).get("steps", meta.get("step", 0)))
+    found = _retry(lambda: client.search_logged_models(
+        [run.info.experiment_id], filter_string=f"source_run_id = '{run.info.run_id}' AND name = '{name}'"))
+    if not any(str(m.status).endswith("READY") and m.tags.get("workbench.steps") == step for m in found):
+        return False
+    wanted = meta.get("register")
+    return not wanted or run.data.tags.get("workbench.registered_model", "").startswith(f"{wanted}/")
+
+
 def log_dataset(client, run_id: str, info: dict) -> None:
     """A dataset as a run input (what ``mlflow.log_input`` records), from metadata only: its name, source (the
-    config's data target and arguments), digest (of that config and N), number of examples and, for tensor datasets,
+    config's data target and arguments), digest (of that config and N), N (examples, or users at user level) and, for
+    tensor datasets,
     the shapes and dtypes of a row. Never the content."""
     from mlflow.entities import Dataset, DatasetInput, InputTag
 
@@ -307,6 +322,6 @@ def log_dataset(client, run_id: str, info: dict) -> None:
         schema = json.dumps({"mlflow_tensorspec": {"features": specs.to_json(), "targets": None}})
     dataset = Dataset(name=info["name"], digest=info["digest"], source_type="code",
                       source=json.dumps({"tags": {"workbench.data": info["source"]}}), schema=schema,
-                      profile=json.dumps({"num_examples": info["num_examples"]}))
+                      profile=json.dumps({k: info[k] for k in ("num_examples", "num_users") if k in info}))
     _retry(lambda: client.log_inputs(run_id, datasets=[
         DatasetInput(dataset, tags=[InputTag("mlflow.data.context", info["context"])])]))
