@@ -308,8 +308,15 @@ def test_epsilon_schedule_gives_every_logging_step_its_own_epsilon():
     assert steps == [10, 20, 30, 40, 50, 57]
     schedule = privacy.EpsilonSchedule(privacy.Accountant("pld", q, sigma), DELTA, steps)
     values = [schedule.get(s) for s in steps]  # waits for each
-    assert values == pytest.approx([direct_poisson_pld(q, sigma, s, DELTA, privacy.DEFAULT_PLD_DISCRETIZATION)
-                                    for s in steps], rel=REL)
+    fine = [direct_poisson_pld(q, sigma, s, DELTA, privacy.DEFAULT_PLD_DISCRETIZATION) for s in steps]
+    assert values[-1] == pytest.approx(fine[-1], rel=REL)  # the last line: the run's reported epsilon
+    # The lines before: a fresh composition on the grid the schedule chose for them (coarser, pessimistic), never
+    # above the last, within LINE_SLACK of the run's own grid.
+    grid = schedule.lines_accountant(values[-1]).pld_discretization
+    assert grid / privacy.DEFAULT_PLD_DISCRETIZATION in (1, 2, 4, 8, 16)
+    assert values[:-1] == pytest.approx([min(direct_poisson_pld(q, sigma, s, DELTA, grid), fine[-1])
+                                         for s in steps[:-1]], rel=REL)
+    assert values == pytest.approx(fine, rel=0.01)
     assert values == sorted(values)
     assert schedule.latest(35) == (30, values[2]) and schedule.latest(57) == (57, values[-1])
     assert schedule.latest(5) is None
@@ -341,7 +348,8 @@ def test_a_long_schedule_composes_at_most_exact_lines_times_and_never_under_repo
     steps = list(range(10, 100_001, 10))
     schedule = EpsilonSchedule(ledger, 1e-5, steps)
     values = [schedule.get(s) for s in steps]
-    assert len(ledger.asked) <= EXACT_LINES and ledger.asked == sorted(set(ledger.asked))
+    assert len(ledger.asked) <= EXACT_LINES and ledger.asked[0] == steps[-1]  # the last first: it bounds every line
+    assert ledger.asked[1:] == sorted(set(ledger.asked[1:])) and steps[-1] not in ledger.asked[1:]
     assert all(v >= s ** 0.5 for s, v in zip(steps, values))
     assert values == sorted(values) and values[-1] == steps[-1] ** 0.5
     assert all(values[i] == steps[i] ** 0.5 for i in range(3))  # the first lines are exact steps
@@ -350,10 +358,36 @@ def test_a_long_schedule_composes_at_most_exact_lines_times_and_never_under_repo
     assert schedule.latest(steps[-1]) == (steps[-1], steps[-1] ** 0.5)
 
 
+def test_the_lines_grid_is_the_coarsest_within_the_slack_at_the_last_step_and_bounds_dp_accounting():
+    """The lines before the last are composed on a coarser PLD grid only where that costs at most LINE_SLACK at the last
+    step (large epsilon: the grid's looseness is small against it); at small epsilon (the looseness is an absolute
+    amount) the run's own grid is kept. Every line stays an upper bound: checked against dp_accounting's PLD on a fine
+    grid, and its RDP."""
+    from workbench.privacy.accounting.accountant import LINE_SLACK, EpsilonSchedule
+
+    for q, sigma, every, lines, coarse in ((0.05, 1.0, 10, 200, True), (1e-3, 1.37, 500, 20, False)):
+        steps = list(range(every, every * lines + 1, every))
+        ledger = privacy.Accountant("pld", q, sigma)
+        schedule = EpsilonSchedule(ledger, DELTA, steps)
+        values = [schedule.get(s) for s in steps]
+        grid = schedule.lines_accountant(values[-1])
+        assert (grid.pld_discretization > ledger.pld_discretization) is coarse
+        assert grid.epsilon(steps[-1], DELTA) <= values[-1] * (1 + LINE_SLACK)
+        for s in schedule.exact[:-1][::9]:
+            pld = dp_accounting.pld.privacy_loss_distribution
+            below = pld.from_gaussian_mechanism(sigma, sampling_prob=q, pessimistic_estimate=False,
+                                                value_discretization_interval=1e-4).self_compose(s)
+            above = direct_poisson_pld(q, sigma, s, DELTA, 1e-4)
+            assert below.get_epsilon_for_delta(DELTA) <= schedule.get(s) <= above * 1.01
+            rdp = dp_accounting.rdp.RdpAccountant().compose(
+                dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), s).get_epsilon(DELTA)
+            assert schedule.get(s) <= rdp
+
+
 def test_a_short_schedule_is_exact_on_every_line():
     from workbench.privacy.accounting.accountant import EXACT_LINES, EpsilonSchedule
 
     ledger = _CountingAccountant()
     steps = list(range(5, 5 * EXACT_LINES + 1, 5))
     schedule = EpsilonSchedule(ledger, 1e-5, steps)
-    assert [schedule.get(s) for s in steps] == [s ** 0.5 for s in steps] and ledger.asked == steps
+    assert [schedule.get(s) for s in steps] == [s ** 0.5 for s in steps] and ledger.asked == [steps[-1], *steps[:-1]]

@@ -165,6 +165,11 @@ class Accountant:
                 side = 1
         return lo
 
+    def coarser(self, factor: float) -> "Accountant":
+        """The same mechanism on a PLD grid ``factor`` times coarser: a looser upper bound, composed faster."""
+        return type(self).from_state_dict({**self.state_dict(), "steps": 0,
+                                           "pld_discretization": min(self.pld_discretization * factor, 0.1)})
+
     def state_dict(self) -> dict[str, Any]:
         """Plain Python types only (safe for ``torch.load(weights_only=True)``)."""
         return {"kind": self.kind, "sample_rate": self.sample_rate, "noise_multiplier": self.noise_multiplier,
@@ -199,13 +204,15 @@ class Accountant:
         return acc
 
 
-EXACT_LINES = 64  # at most this many PLD compositions per run's schedule (one is 0.1-4 s, growing with the step)
+EXACT_LINES = 64  # at most this many PLD compositions per run's schedule
+COARSER = (16, 8, 4, 2)  # PLD grids, in multiples of the run's, tried for the lines before the last
+LINE_SLACK = 0.005  # the coarse grid's epsilon at the last step may exceed the run's grid's by this much (relative)
 
 
 def exact_steps(steps: list[int], n: int = EXACT_LINES) -> list[int]:
-    """The logged steps whose epsilon is composed exactly: all of them when there are at most ``n``, else about ``n``
-    spaced geometrically in the line index (dense early, where epsilon grows fastest relative to itself), always with
-    the last."""
+    """The logged steps whose epsilon is composed: all of them when there are at most ``n``, else about ``n`` spaced
+    geometrically in the line index (dense early, where epsilon grows fastest relative to itself), always with the
+    last."""
     if len(steps) <= n:
         return list(steps)
     picked = {round(len(steps) ** (k / (n - 1))) - 1 for k in range(n)} | {len(steps) - 1}
@@ -213,13 +220,18 @@ def exact_steps(steps: list[int], n: int = EXACT_LINES) -> list[int]:
 
 
 class EpsilonSchedule:
-    """Epsilon at each of a run's logging steps, computed once, in step order, on a background thread.
+    """Epsilon at each of a run's logging steps, computed once on a background thread.
 
     q, sigma and the step count are fixed before the first step, so the whole curve is known in advance, and the
-    training thread never waits for a PLD composition. A run with at most ``EXACT_LINES`` logged lines gets the
-    accountant's own ``epsilon(step, delta)`` on every line; a longer one (a composition costs seconds late in a long
-    run) gets it at ``exact_steps``, and each line between them the value of the next exact step: an upper bound,
-    never an under-report. The last line is always exact, equal to the reported final epsilon.
+    training thread never waits for a PLD composition. Every value is an upper bound, never an under-report:
+
+    - the last line: the accountant's own ``epsilon(last, delta)``, equal to the reported final epsilon; computed first;
+    - the lines before it: composed at ``exact_steps`` (all of them up to ``EXACT_LINES`` lines), each line taking the
+      value of the next composed step, on a coarser PLD grid (pessimistic rounding: still an upper bound) when one is
+      within ``LINE_SLACK`` of the run's grid at the last step: the coarsest of ``COARSER`` that is, checked there,
+      where the grid's looseness is largest. A composition's cost falls about as fast as the grid coarsens, so a long
+      run's dense logging costs a few percent of its training instead of a sixth (benchmarks/logging_cost.py). No line
+      exceeds the last (epsilon grows with the steps: the last value bounds every earlier step too).
     """
 
     def __init__(self, accountant: "Accountant", delta: float, steps):
@@ -235,19 +247,34 @@ class EpsilonSchedule:
         self._thread = threading.Thread(target=self._work, name="workbench-epsilon-schedule", daemon=True)
         self._thread.start()
 
+    def lines_accountant(self, last_value: float) -> "Accountant":
+        """The accountant of the lines before the last: the same mechanism on the coarsest grid of ``COARSER`` within
+        ``LINE_SLACK`` of ``last_value`` at the last step; the run's own when none is, or when it has no PLD grid."""
+        if getattr(self.accountant, "kind", None) != "pld" or len(self.exact) < 2:
+            return self.accountant
+        for factor in COARSER:
+            coarse = self.accountant.coarser(factor)
+            if coarse.epsilon(self.exact[-1], self.delta, on_disk=True) <= last_value * (1 + LINE_SLACK):
+                return coarse
+        return self.accountant
+
     def _work(self) -> None:
-        for step in self.exact:
-            try:
-                # scipy's import under the first composition: a rerun of the same job reads its schedule, the final
-                # epsilon included, from workbench's on-disk cache.
-                value = self.accountant.epsilon(step, self.delta, on_disk=True)
-            except BaseException as e:  # noqa: BLE001 - re-raised where a value is asked for
-                with self._done:
-                    self._error = e
-                    self._done.notify_all()
-                return
+        try:
+            # scipy's import under the first composition: a rerun of the same job reads its schedule, the final
+            # epsilon included, from workbench's on-disk cache.
+            last = self.accountant.epsilon(self.exact[-1], self.delta, on_disk=True)
             with self._done:
-                self._values[step] = value
+                self._values[self.exact[-1]] = last
+                self._done.notify_all()
+            lines = self.lines_accountant(last)
+            for step in self.exact[:-1]:
+                value = min(lines.epsilon(step, self.delta, on_disk=True), last)
+                with self._done:
+                    self._values[step] = value
+                    self._done.notify_all()
+        except BaseException as e:  # noqa: BLE001 - re-raised where a value is asked for
+            with self._done:
+                self._error = e
                 self._done.notify_all()
 
     def get(self, step: int, wait: bool = True) -> float | None:
@@ -267,9 +294,8 @@ class EpsilonSchedule:
         import bisect
 
         with self._done:
-            i = bisect.bisect_right(self.steps, step) - 1
-            if i >= 0 and self._cover[self.steps[i]] in self._values:
-                return self.steps[i], self._values[self._cover[self.steps[i]]]
-            done = [s for s in self.exact if s in self._values and s <= step]  # computed in order: a prefix
-            return (done[-1], self._values[done[-1]]) if done else None
+            for i in range(bisect.bisect_right(self.steps, step) - 1, -1, -1):
+                if self._cover[self.steps[i]] in self._values:
+                    return self.steps[i], self._values[self._cover[self.steps[i]]]
+            return None
 
