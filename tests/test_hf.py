@@ -41,6 +41,14 @@ def test_local_files_tokenizer_and_model_folder_train_with_dp(tmp_path, make_cfg
     assert frozen and all(n.startswith("bert.embeddings") for n in frozen)
 
 
+def test_a_bf16_checkpoint_loads_as_float32_weights(tmp_path):
+    """transformers loads a folder in the dtype it was saved in; DP-SGD's weights are float32 (bf16=true computes in
+    bf16), so a bf16 checkpoint trains instead of being refused by the step."""
+    hf.model(config=GPT2, task="causal_lm").to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    loaded = hf.model(path=str(tmp_path / "bf16"), task="causal_lm")
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+
+
 def test_bad_hf_input_is_refused_in_one_line(tmp_path):
     from workbench.errors import WorkbenchError
 

@@ -94,3 +94,41 @@ def test_dp_adamw_without_privacy_is_refused_in_one_line(make_cfg):
     assert "\n" not in str(e.value)
     with pytest.raises(WorkbenchError, match="set from the run's mechanism"):
         train(make_cfg("experiment=quick", "optimizer=dp_adamw", "+optimizer.noise_std=0.1", "tracking.enabled=false"))
+
+
+def test_a_changing_noise_std_is_corrected_by_the_average_variance_in_v():
+    """Adaptive clipping moves s_t = sigma_g C_t / B every step: v holds the EMA of g~^2, whose noise share is the EMA
+    of s_t^2, and that (bias-corrected with v) is what is subtracted; a constant s gives back the paper's s^2."""
+    lr, b1, b2, eps, gamma = 0.1, 0.9, 0.99, 1e-8, 1e-6
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0], dtype=torch.float64))
+    opt = DPAdamW([p], lr=lr, betas=(b1, b2), eps=eps, noise_std=0.0, gamma=gamma)
+    theta, m, v, n = [1.0, -2.0], [0.0] * 2, [0.0] * 2, 0.0
+    for t, (g, s) in enumerate(zip([[0.8, -0.1], [1.2, 0.05], [0.3, 0.4]], [0.5, 0.2, 0.05]), start=1):
+        opt.param_groups[0]["noise_std"] = s  # as the trainer sets it each step
+        p.grad = torch.tensor(g, dtype=torch.float64)
+        opt.step()
+        n = b2 * n + (1 - b2) * s * s
+        for i in range(2):
+            m[i] = b1 * m[i] + (1 - b1) * g[i]
+            v[i] = b2 * v[i] + (1 - b2) * g[i] ** 2
+            theta[i] -= lr * (m[i] / (1 - b1 ** t)) / (math.sqrt(max((v[i] - n) / (1 - b2 ** t), gamma)) + eps)
+    assert p.detach().tolist() == pytest.approx(theta, rel=1e-12)
+
+
+def test_dp_adamw_under_adaptive_clipping_is_told_each_steps_noise(make_cfg, monkeypatch):
+    """The update's noise std is sigma_g C_t / B with C_t the C the step clipped at: the optimizer gets that at every
+    step, not sigma C_0 / B."""
+    from workbench import train
+    from workbench.privacy.clipping.adaptive import AdaptiveClip
+
+    told, clips = [], []
+    step, update = DPAdamW.step, AdaptiveClip.update
+    monkeypatch.setattr(DPAdamW, "step", lambda self, *a: (told.append(self.param_groups[0]["noise_std"]), step(self, *a))[1])
+    monkeypatch.setattr(AdaptiveClip, "update", lambda self, *a: (clips.append(self.value), update(self, *a))[1])
+    result = train(make_cfg("experiment=quick", "optimizer=dp_adamw", "privacy.clipping=adaptive", "max_steps=12",
+                            "privacy.clip_learning_rate=0.5", "tracking.enabled=false"))
+    batch, sigma_b = 64, 64 / 20  # the count's noise: B / 20 by default (Andrew et al.)
+    sigma_g = (result.noise_multiplier ** -2 - (2 * sigma_b) ** -2) ** -0.5  # the paper's split of the noise
+    assert len(told) == len(clips) == 12 and len(set(clips)) > 1  # C moved
+    assert told == pytest.approx([sigma_g * c / batch for c in clips], rel=1e-12)
+

@@ -210,3 +210,9 @@ def test_step_refuses_a_batch_mean_loss_and_a_model_without_trainable_parameters
     frozen = _model().requires_grad_(False)
     with pytest.raises(WorkbenchError, match="no trainable parameters"):
         GradientStep(frozen, nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=1.0, noise_multiplier=0.0)
+    for dtype in (torch.bfloat16, torch.float16):  # the clipped sum, noise and count would round at 2^-9 (2^-11)
+        with pytest.raises(WorkbenchError, match=f"are {dtype}: DP-SGD needs float32"):
+            GradientStep(_model().to(dtype), nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=1.0,
+                         noise_multiplier=0.0)
+    GradientStep(_model().to(torch.bfloat16), nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=None,
+                 noise_multiplier=0.0)  # non-private: no bound to keep

@@ -27,7 +27,9 @@ def test_secrets_never_reach_mlflow(tmp_path):
 
     seed = 271828182845
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    for name, extra in [("pinned", [f"privacy.secure_seed={seed}"]), ("fresh", [])]:
+    # The pinned seed also copied where a user might put it: the run's name, a tag.
+    pinned = [f"privacy.secure_seed={seed}", f"tracking.run_name=seed-{seed}", f"+tracking.tags.note=from_{seed}"]
+    for name, extra in [("pinned", pinned), ("fresh", [])]:
         run_dir = tmp_path / name
         proc = run_cli("experiment=quick", "save_steps=5", f"output_dir={run_dir}", "disable_tqdm=true", *extra,
                        cwd=tmp_path, env={"MLFLOW_TRACKING_URI": uri})
@@ -50,3 +52,33 @@ def test_secrets_never_reach_mlflow(tmp_path):
                              "params.output_dir LIKE '%pinned'")[0]
     assert run.data.params["privacy.secure_seed"] == "<redacted>"
     assert "privacy.secure_seed=<redacted>" in run.data.tags["overrides"]
+
+
+@pytest.mark.parametrize("text, shown", [
+    ("privacy.secure_seed=123 max_steps=5", "privacy.secure_seed=<redacted> max_steps=5"),
+    ("+privacy.secure_seed=1,2,3 seed=4", "+privacy.secure_seed=<redacted> seed=4"),  # a sweep over seeds: every one
+    ("privacy.secure_seed=choice(11, 12) lr=0.1", "privacy.secure_seed=<redacted> lr=0.1"),
+    ("privacy:\n  secure_seed: 77\n  unit: user", "privacy:\n  secure_seed: <redacted>\n  unit: user"),
+])
+def test_an_override_string_loses_the_whole_value_of_a_pinned_seed(text, shown):
+    from workbench.tracking import scrub
+
+    assert scrub(text) == shown
+
+
+def test_a_pinned_seed_is_redacted_from_every_text_of_the_config_and_kept_out_of_hydra_folder_names():
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from workbench import compose
+    from workbench.tracking import flatten, redacted
+
+    cfg = compose(["privacy.secure_seed=90210", "tracking.run_name=run_90210", "output_dir=outputs/s90210/x"])
+    shown = flatten(redacted(cfg))
+    assert shown["privacy.secure_seed"] == "<redacted>"
+    assert shown["tracking.run_name"] == "run_<redacted>" and shown["output_dir"] == "outputs/s<redacted>/x"
+    assert not [k for k, v in shown.items() if "90210" in str(v)]
+    assert flatten(redacted(compose(["seed=90210"])))["seed"] == 90210  # unpinned: nothing is a secret
+    conf = str(Path(__file__).resolve().parent.parent / "conf")
+    with initialize_config_dir(config_dir=conf, version_base=None):
+        hc = hydra_compose("config", ["privacy.secure_seed=5", "seed=3"], return_hydra_config=True)
+    assert "privacy.secure_seed" in hc.hydra.job.config.override_dirname.exclude_keys

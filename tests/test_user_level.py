@@ -3,6 +3,7 @@ workbench/user_step.py, workbench/data/users.py): per-user clipping against a pe
 the floating-point bound per user, user sampling statistics, the cap, epsilon against dp_accounting with q_user, the
 preset through the CLI, bit-exact resume, and the one-line refusals."""
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -197,6 +198,9 @@ def test_the_preset_reports_epsilon_per_user_through_the_cli(tmp_path):
     assert m["epsilon"] == pytest.approx(_direct_epsilon(m["sample_rate"], m["noise_multiplier"], int(m["steps"]),
                                                          m["delta"]), rel=1e-6)
     assert m["eval_accuracy"] > 0.5
+    # The training data's size in MLflow is its number of users: how many examples they hold is not public.
+    (train_input,) = [d.dataset for d in run.inputs.dataset_inputs if d.tags[0].value == "training"]
+    assert json.loads(train_input.profile) == {"num_users": n_users}
 
 
 def test_a_resumed_user_level_run_ends_bit_exact(make_cfg):

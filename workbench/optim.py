@@ -12,6 +12,10 @@ bias-corrected second moment, floored at gamma:
     theta <- theta (1 - lr weight_decay)                              (decoupled, as torch.optim.AdamW)
     theta <- theta - lr m^ / (sqrt(max(v^ - s^2, gamma)) + eps)
 
+When s changes from step to step (adaptive clipping: s_t = sigma_g C_t / B, C_t moving), v_t holds an average of the
+past steps' noise variances, not s_t^2: the correction subtracts that same average, n_t = beta2 n + (1 - beta2) s_t^2
+(bias-corrected with v), which is s^2 exactly when s is constant. The trainer sets each step's s (``noise_std``).
+
 What is implemented beside the paper's update: the floor gamma (default 5e-8, a small constant as in the paper, tune it
 with the learning rate) and AdamW's eps kept in the denominator (default 1e-8), so that with s = 0 and gamma = 0 the
 update is torch.optim.AdamW's, bit for bit (the tests check it). Everything it reads was released: the noised update
@@ -52,7 +56,7 @@ class DPAdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
-            noise_var, gamma = group["noise_std"] ** 2, group["gamma"]
+            noise_var, gamma = group["noise_std"] ** 2, group["gamma"]  # this step's s^2
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -68,8 +72,11 @@ class DPAdamW(torch.optim.Optimizer):
                 exp_avg.lerp_(grad, 1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
-                # max(v / bc2 - s^2, gamma) = max(v - s^2 bc2, gamma bc2) / bc2: torch.optim.AdamW's arithmetic at s = 0
-                corrected = (exp_avg_sq - noise_var * bc2).clamp_(min=gamma * bc2)
+                # n_t, v's share of noise variance (a float: no device read); a state saved without it had a constant s
+                noise_sq = state.get("noise_sq", noise_var * (1 - beta2 ** (t - 1)))
+                state["noise_sq"] = noise_sq = beta2 * noise_sq + (1 - beta2) * noise_var  # = s^2 bc2 for a constant s
+                # max(v / bc2 - n / bc2, gamma) = max(v - n, gamma bc2) / bc2: torch.optim.AdamW's arithmetic at s = 0
+                corrected = (exp_avg_sq - noise_sq).clamp_(min=gamma * bc2)
                 denom = (corrected.sqrt_() / bc2 ** 0.5).add_(eps)
                 p.addcdiv_(exp_avg, denom, value=-lr / bc1)
         return loss

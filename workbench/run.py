@@ -305,10 +305,11 @@ def _unit(plan) -> str:
 def _run_inputs(cfg: DictConfig, job: Job) -> list[dict]:
     """The training and evaluation data as MLflow run inputs, from metadata only: the config's data node (its target
     and arguments: the source), a digest of that node and N (not of the content), N, and for tensor datasets the shape
-    and dtype of a row (every row has it). Nothing read from an example."""
+    and dtype of a row (every row has it). Nothing read from an example. At user level the training data's N is its
+    number of users: the number of examples is not public there (one user's size would change it)."""
     out = []
-    for split, context, loader, count in (("train", "training", job.loader,
-                                           job.mechanism.shard.population if _unit(job.mechanism) == "example" else None),
+    users = _unit(job.mechanism) == "user"
+    for split, context, loader, count in (("train", "training", job.loader, job.mechanism.shard.population),
                                           ("eval", "eval", job.eval_loader, None)):
         node = cfg.data.get(split) if loader is not None else None
         if node is None:
@@ -320,7 +321,8 @@ def _run_inputs(cfg: DictConfig, job: Job) -> list[dict]:
         features = [{"name": f"tensor_{i}", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape[1:])}
                     for i, t in enumerate(tensors)] if isinstance(tensors, (tuple, list)) else []
         target = str(source.get("_target_", "data")) if isinstance(source, dict) else "data"
-        out.append({"name": f"{split}: {target.rpartition('.')[2]}", "context": context, "num_examples": int(count),
+        counted = "num_users" if users and split == "train" else "num_examples"
+        out.append({"name": f"{split}: {target.rpartition('.')[2]}", "context": context, counted: int(count),
                     "source": json.dumps(source, sort_keys=True, default=str), "features": features,
                     "digest": hashlib.sha256(json.dumps([source, count], sort_keys=True, default=str).encode())
                     .hexdigest()[:8]})

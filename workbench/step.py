@@ -75,6 +75,12 @@ class GradientStep:
         if len({p.dtype for p in self.params}) > 1:
             raise WorkbenchError(f"the model's trainable parameters mix dtypes {sorted({str(p.dtype) for p in self.params})}; "
                                  "one flat gradient buffer needs one")
+        if self.private and self.params[0].dtype not in (torch.float32, torch.float64):
+            # the per-example bound and the clipped sum, noise and count are float32 computations (DESIGN.md): in bf16
+            # each addition rounds by 2^-9 of the total, and one example could move it by more than C
+            raise WorkbenchError(f"the model's trainable parameters are {self.params[0].dtype}: DP-SGD needs float32 "
+                                 "(or float64) weights; load the model in float32 and set bf16=true (or fp16=true) to "
+                                 "compute in low precision")
         self.model = model
         # auto: the fastest mode whose pre-run check passes (check() moves down this list); mode_note says which
         self.candidates = clipping.candidate_modes(model, autocast_dtype is not None) \
@@ -249,6 +255,8 @@ class GradientStep:
         """Step 4's division of every gradient by the expected batch B (and the loss scale S), in one operation on the
         reduced buffer."""
         self._update.div_(expected_batch * self.scale)
+        # the std of this step's noise in each coordinate of the update (for DP-AdamBC, workbench/optim.py): public
+        self.released_noise_std = self.noise.sigma * self.noise.clip / expected_batch if self.noise is not None else 0.0
 
     @property
     def update(self) -> torch.Tensor:

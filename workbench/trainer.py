@@ -211,6 +211,9 @@ class Trainer:
             for batch in self.loader:
                 loss_sum, count = self.step_fn(batch, step)
                 self.step_fn.divide_(self.expected_batch)
+                for group in self.optimizer.param_groups:  # DP-AdamBC's s: this step's (adaptive clipping moves C_t)
+                    if "noise_std" in group and self.mechanism.private:
+                        group["noise_std"] = self.step_fn.released_noise_std
                 self.optimizer.step()
                 self.callbacks.on_step_end(step + 1)  # p.grad is still the released update here
                 self.optimizer.zero_grad(set_to_none=True)

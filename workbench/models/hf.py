@@ -35,7 +35,9 @@ def model(task: str = "classification", path: str | None = None, config: dict | 
     if path is not None:
         if not Path(path).is_dir():
             raise WorkbenchError(f"model.path={path!r} is not a local folder (nothing is downloaded)")
-        built = auto.from_pretrained(path, local_files_only=True, **extra)
+        # float32 weights whatever the folder holds (transformers loads a bf16 checkpoint as bf16): DP-SGD's sum and
+        # noise are float32; bf16=true is the way to compute in bf16
+        built = auto.from_pretrained(path, local_files_only=True, dtype=torch.float32, **extra)
     else:
         fields = dict(config)
         model_type = fields.pop("model_type", None)

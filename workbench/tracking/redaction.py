@@ -1,5 +1,6 @@
 """What MLflow may see of a run: the resolved config as flat params, with a pinned privacy.secure_seed redacted from
-its own field and from every tag and override string (whoever knows it can strip the noise and see the batches)."""
+its own field and from every text MLflow is sent: tags, override strings, the run name, any string of the config
+(whoever knows it can strip the noise and see the batches)."""
 
 from __future__ import annotations
 
@@ -20,21 +21,34 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-# A pinned privacy.secure_seed as it appears in override strings (`privacy.secure_seed=N`, `+privacy.secure_seed=N`).
-_SECRET_OVERRIDE = re.compile(r"(secure_seed\s*=\s*)[^\s,]+")
+# A pinned privacy.secure_seed as it appears in override strings (`privacy.secure_seed=N`, `+privacy.secure_seed=N`,
+# a sweep's `=1,2,3` or `=choice(1, 2)`) and in YAML (`secure_seed: N`): its whole value, up to the next override.
+_SECRET_OVERRIDE = re.compile(r"(secure_seed\s*[=:]\s*)(.*?)(?=\s+[+~]{0,2}[\w./-]+\s*=|$)", re.M)
 
 
-def scrub(text: str) -> str:
-    """Text as MLflow may show it: whoever knows a pinned secure_seed can strip the noise and see the batches."""
-    return _SECRET_OVERRIDE.sub(r"\1<redacted>", text)
+def scrub(text: str, secret: Any = None) -> str:
+    """Text as MLflow may show it: whoever knows a pinned secure_seed can strip the noise and see the batches. With
+    the pinned ``secret``, also its digits wherever they stand alone (a run name or folder built from it)."""
+    text = _SECRET_OVERRIDE.sub(r"\1<redacted>", text)
+    if secret is not None:
+        text = re.sub(rf"(?<!\d){abs(int(secret))}(?!\d)", "<redacted>", text)
+    return text
 
 
 def redacted(cfg: DictConfig) -> dict[str, Any]:
-    """The resolved config as MLflow may show it: no pinned privacy.secure_seed, in its own field or in a tag."""
+    """The resolved config as MLflow may show it: no pinned privacy.secure_seed, in its own field or in any text of
+    the config (a tag, an output_dir or run name built from it)."""
     container = OmegaConf.to_container(cfg, resolve=True)
-    if container.get("privacy", {}).get("secure_seed") is not None:
-        container["privacy"]["secure_seed"] = "<redacted>"
-    tags = container.get("tracking", {}).get("tags") or {}
-    for k, v in tags.items():
-        tags[k] = scrub(str(v))
-    return container
+    secret = container.get("privacy", {}).get("secure_seed")
+    if secret is None:
+        return container
+    container["privacy"]["secure_seed"] = "<redacted>"
+
+    def clean(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: clean(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [clean(v) for v in node]
+        return scrub(node, secret) if isinstance(node, str) else node
+
+    return clean(container)

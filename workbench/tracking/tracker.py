@@ -171,12 +171,14 @@ class MlflowTracker(NullTracker):
 
     def _start(self, tags: Mapping[str, Any], run_id: str | None, sweep_dir: str | None, pending: bool) -> None:
         experiment_id = self._experiment.result() if self._experiment is not None else self._experiment_id()
-        all_tags = {k: scrub(str(v)) for k, v in tags.items() if v is not None}
+        all_tags = {k: scrub(str(v), self._secret) for k, v in tags.items() if v is not None}
         if run_id is None:
             parent = sweep_parent(sweep_dir) if sweep_dir else None
             if parent is not None:
                 all_tags[PARENT_TAG] = parent
-            run_id = self.store.create_run(experiment_id, self.cfg.tracking.run_name, all_tags)
+            name = self.cfg.tracking.run_name
+            run_id = self.store.create_run(experiment_id, None if name is None else scrub(str(name), self._secret),
+                                           all_tags)
             all_tags = {}
         else:
             try:
@@ -247,7 +249,13 @@ class MlflowTracker(NullTracker):
         self._put(("curves", name, dict(data), plot))
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        self._put(("tags", {k: scrub(str(v)) for k, v in tags.items()}))
+        self._put(("tags", {k: scrub(str(v), self._secret) for k, v in tags.items()}))
+
+    @property
+    def _secret(self) -> Any:
+        """The pinned privacy.secure_seed (None: a fresh secret per run, which nothing here ever sees)."""
+        privacy = self.cfg.get("privacy") if hasattr(self.cfg, "get") else None
+        return privacy.get("secure_seed") if privacy is not None else None
 
     def log_model(self, path: str | Path, meta: Mapping[str, Any]) -> None:
         """A pickled ``torch.nn.Module`` at `path`, logged as the run's MLflow model where the store runs (MLflow and
@@ -266,14 +274,18 @@ class MlflowTracker(NullTracker):
             self._put(("system_metrics", float(interval)))
 
     def finish(self, status: str = "FINISHED") -> None:
-        """End the run: everything queued is sent within tracking.flush_timeout seconds, else spooled to the run
-        folder (``self.spooled``) for ``python -m workbench.tracking sync``. Never raises, never hangs."""
+        """End the run: everything queued is sent, else spooled to the run folder (``self.spooled``) for
+        ``python -m workbench.tracking sync`` once the store has not answered for tracking.flush_timeout seconds (a
+        killed job: at most 10 seconds in all). Never raises, never hangs."""
         if self.outbox is None:
             self._close_store()
             return
         self._put(("status", status))
         # A killed job has seconds before SIGKILL follows (torchrun, SLURM): spool sooner rather than be cut off.
-        self.outbox.drain(self.cfg.tracking.flush_timeout if status == "FINISHED" else min(self.cfg.tracking.flush_timeout, 10))
+        if status == "FINISHED":  # a slow store that answers is waited for (a loaded machine, a large model)
+            self.outbox.drain(self.cfg.tracking.flush_timeout, stalled=True)
+        else:
+            self.outbox.drain(min(self.cfg.tracking.flush_timeout, 10))
         unsent = self.outbox.close()
         self._persist(unsent)
         tidy(self.run_folder)
