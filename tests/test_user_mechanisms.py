@@ -190,6 +190,7 @@ def test_bandmf_draws_users_in_strided_cyclic_parts_and_accounts_over_users(worl
 # ------------------------------------------------------------------------------------------ through the CLI
 
 
+@pytest.mark.slow  # two CLI processes (about 20 s of CPU each): the one slow test of this feature
 @pytest.mark.parametrize("combined", [["privacy.clipping=adaptive"], ["privacy.mechanism=bandmf", "privacy.num_bands=4"]],
                          ids=["adaptive", "bandmf"])
 def test_a_user_level_cli_run_combines_and_reports_epsilon_per_user(tmp_path, combined):
