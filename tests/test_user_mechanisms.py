@@ -121,13 +121,14 @@ def test_the_float64_route_counts_a_user_once_and_the_bound_holds_per_user():
     torch.testing.assert_close(buffer, torch.tensor([huge + 0.25 + 0.3, huge + 0.05]), rtol=RHO, atol=1e-7)
 
 
-def test_an_adaptive_user_level_run_resumes_bit_exact_with_c_in_the_checkpoint(make_cfg):
+def _resumed(make_cfg, *combined):
+    """A user-level run of 8 steps, and the same run resumed from its step-4 checkpoint: (step 4's checkpoint, the
+    last checkpoint of each, the epsilon of each)."""
     from workbench import checkpoint
     from workbench.run import train
 
     args = ["experiment=users", "tracking=off", "max_steps=8", "save_steps=4", "save_total_limit=10",
-            "privacy.secure_seed=99", "privacy.max_examples_per_user=3", "max_physical_batch_size=16",
-            "privacy.clipping=adaptive", "privacy.max_grad_norm=0.2"]
+            "privacy.secure_seed=99", "privacy.max_examples_per_user=3", "max_physical_batch_size=16", *combined]
     whole = train(make_cfg(*args))
     cfg = make_cfg(*args, "resume_from_checkpoint=latest")
     folder = checkpoint.list_checkpoints(whole.output_dir)
@@ -136,10 +137,15 @@ def test_an_adaptive_user_level_run_resumes_bit_exact_with_c_in_the_checkpoint(m
     resumed = train(cfg)
     a, b = checkpoint.load(folder[-1]), checkpoint.load(checkpoint.list_checkpoints(resumed.output_dir)[-1])
     assert a["step"] == b["step"] == 8
-    assert checkpoint.load(folder[0])["clipping"]["clip_norm"] != 0.2 != a["clipping"]["clip_norm"]  # C moved
-    assert a["clipping"] == b["clipping"]  # C_8, bit for bit
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert a["accountant"] == b["accountant"] and resumed.epsilon == whole.epsilon
+    return checkpoint.load(folder[0]), a, b
+
+
+def test_an_adaptive_user_level_run_resumes_bit_exact_with_c_in_the_checkpoint(make_cfg):
+    first, a, b = _resumed(make_cfg, "privacy.clipping=adaptive", "privacy.max_grad_norm=0.2")
+    assert first["clipping"]["clip_norm"] != 0.2 != a["clipping"]["clip_norm"]  # C moved
+    assert a["clipping"] == b["clipping"]  # C_8, bit for bit
 
 
 # ------------------------------------------------------------------------------------------ user + bandmf
@@ -185,6 +191,10 @@ def test_bandmf_draws_users_in_strided_cyclic_parts_and_accounts_over_users(worl
     draws = sum(len(ts) for ts in seen.values())
     expected = rate * per_rank * world_size * steps / b  # each user's part is sampled steps / b times
     assert abs(draws - expected) < 5 * math.sqrt(expected)
+
+
+def test_a_bandmf_user_level_run_resumes_bit_exact(make_cfg):
+    _resumed(make_cfg, "privacy.mechanism=bandmf", "privacy.num_bands=4")  # the cyclic users and the noise ring
 
 
 # ------------------------------------------------------------------------------------------ through the CLI
