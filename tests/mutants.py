@@ -182,6 +182,16 @@ MUTANTS = (
     Mutant("profile-bound-without-second-term", "the profile bound drops the term for how the best is chosen",
            "workbench/privacy/accounting/selection.py", "math.exp(e1) * second <= room", "0 * second <= room",
            ("tests/test_selection.py::test_the_profile_bound_is_never_below_the_exact_selection_privacy_of_a_toy",)),
+    Mutant("user-count-per-example", "user-level adaptive clipping counts each example of a user (a user moves the "
+           "count by up to k/2, not 1/2)", "workbench/privacy/clipping/per_user.py",
+           "self.count(factor, exact)  # adaptive clipping: one term per user",
+           "self.count(factor.repeat_interleave(torch.as_tensor(sizes, device=device)), exact)  #",
+           ("tests/test_user_mechanisms.py::test_the_count_is_over_users_and_c_follows_a_hand_computation_from_the_"
+            "per_user_norms[hooks-64]",)),
+    Mutant("user-bandmf-samples-plain-poisson", "user-level bandmf draws every user at every step (no cyclic parts) "
+           "while accounted as amplified BandMF", "workbench/privacy/users.py", '        if self.kind == "bandmf":  #',
+           "        if False:  #",
+           ("tests/test_user_mechanisms.py::test_bandmf_draws_users_in_strided_cyclic_parts_and_accounts_over_users[1]",)),
 )
 
 

@@ -380,9 +380,6 @@ def validate(cfg: DictConfig) -> None:
         if cfg.audit.enabled:
             raise WorkbenchError(f"audit=canaries cannot audit privacy.mechanism={p.mechanism} yet (its observer "
                                  "assumes independent noise); use privacy.mechanism=dpsgd or audit=none")
-        if p.get("unit", "example") != "example":
-            raise WorkbenchError(f"privacy.mechanism={p.mechanism} supports privacy.unit=example only (cyclic "
-                                 "participation over users is not built); use privacy.mechanism=dpsgd for user-level DP")
     if p.accountant not in ("pld", "rdp", "prv"):
         raise WorkbenchError(f"privacy.accountant={p.accountant!r} is unknown; choose one of pld, rdp, prv")
     if cfg.bf16 and cfg.fp16:
@@ -405,7 +402,6 @@ def _check_unit(cfg: DictConfig) -> None:
     if p.unit != "user":
         return
     why = ("privacy.enabled=false (a non-private baseline has no unit: add privacy.unit=example)" if not p.enabled else
-           "privacy.clipping=adaptive (its count is per example)" if p.clipping == "adaptive" else
            "grad_sample_mode=bk (it never forms the per-example gradients a user's mean is made of)"
            if p.grad_sample_mode == "bk" else None)
     if why:

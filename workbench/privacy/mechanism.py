@@ -106,10 +106,10 @@ class Mechanism:
         return fields
 
 
-def plan(p: Any, shard: Shard, shard_mode: str, world_size: int, steps: int) -> Mechanism:
+def plan(p: Any, shard: Shard, shard_mode: str, world_size: int, steps: int, unit: str = "examples") -> Mechanism:
     """The mechanism of privacy settings ``p`` (``cfg.privacy``: enabled, max_grad_norm, noise_multiplier,
-    target_epsilon, target_delta, accountant) over ``shard`` for ``steps`` planned steps. Raises WorkbenchError on
-    settings that give no privacy or cannot be met."""
+    target_epsilon, target_delta, accountant) over ``shard`` (of ``unit``: the notes' word) for ``steps`` planned
+    steps. Raises WorkbenchError on settings that give no privacy or cannot be met."""
     if not p.enabled:
         return Mechanism(shard, shard_mode, world_size, steps)
     kind, bands = mechanism_kind(p, shard_mode)
@@ -144,7 +144,7 @@ def plan(p: Any, shard: Shard, shard_mode: str, world_size: int, steps: int) -> 
     if kind == "bandmf":
         dropped = shard.dropped
         if dropped:
-            notes.append(f"privacy.mechanism=bandmf uses {shard.population} examples ({dropped} dropped) so that each "
+            notes.append(f"privacy.mechanism=bandmf uses {shard.population} {unit} ({dropped} dropped) so that each "
                          f"rank's shard splits into {bands} equal cyclic parts")
         coefficients = cache.cached("bandmf_strategy", lambda: banded_strategy(bands, steps), num_bands=bands,
                                     steps=steps, code=cache.code_version(("privacy/correlated.py",), ("scipy",)))

@@ -16,6 +16,11 @@
   one unit (workbench/privacy/clipping/per_user.py), with the floating-point bound of clipping/bound.py per user.
 - **Accounting**: the example-level accountant with q_user and the run's steps, delta below 1/N_users: epsilon is
   per user (MLflow tag ``privacy_unit=user``, the closing line, the plots).
+- **Adaptive clipping** (``privacy.clipping=adaptive``): the clipped count is over the step's users (per_user.py),
+  its B the expected batch of users; accounted as the fixed-C user-level run at sigma (clipping/adaptive.py).
+- **BandMF** (``privacy.mechanism=bandmf``, shard=per_rank): cyclic Poisson over users (:class:`UserCyclicSampler`:
+  the rank's users in b strided parts, part t mod b drawn at p = b B_users / N_users_used), accounted as amplified
+  BandMF over users (accounting/banded.py at that p); the rank's user shard is cut to a multiple of b users.
 - **Audit** (``audit=canaries``, workbench/privacy/auditing/canaries.py): each of the m canary slots is a user of its
   own (:class:`CanaryUser`) with that one slot as its only example, appended after the data's users
   (:func:`with_canary_users`): N_users and q count them whatever their membership, they are sampled, clipped (a
@@ -33,6 +38,7 @@ import numpy as np
 import torch
 
 from workbench.errors import WorkbenchError
+from workbench.privacy.cyclic import CyclicPoissonBatchSampler
 from workbench.privacy.mechanism import Mechanism, plan
 from workbench.privacy.sampling import PoissonBatchSampler, Shard, train_shard
 
@@ -148,13 +154,11 @@ def user_shard(index: UserIndex, rank: int, world_size: int, mode: str, per_devi
     return train_shard(n, rank, world_size, mode, per_device_batch)
 
 
-class UserPoissonSampler(PoissonBatchSampler):
-    """Each step: every user of the shard drawn independently with probability q (the example-level sampler's
-    streams, over user positions); yields the drawn users' capped examples, user after user."""
+class _UserDraws:
+    """An example-level sampler run over user positions, yielding the drawn users' capped examples, user after
+    user (mixed in before the sampler: ``super().indices_for_step`` draws the users)."""
 
-    def __init__(self, shard: Shard, steps: int, seed: int, rank: int, index: UserIndex, start_step: int = 0):
-        super().__init__(shard, steps, seed, rank, start_step)
-        self.index = index
+    index: UserIndex
 
     def users_for_step(self, step: int) -> list[int]:
         return super().indices_for_step(step)
@@ -167,6 +171,26 @@ class UserPoissonSampler(PoissonBatchSampler):
         return [len(self.index.examples[u]) for u in self.users_for_step(step)]
 
 
+class UserPoissonSampler(_UserDraws, PoissonBatchSampler):
+    """Each step: every user of the shard drawn independently with probability q (the example-level sampler's
+    streams, over user positions)."""
+
+    def __init__(self, shard: Shard, steps: int, seed: int, rank: int, index: UserIndex, start_step: int = 0):
+        super().__init__(shard, steps, seed, rank, start_step)
+        self.index = index
+
+
+class UserCyclicSampler(_UserDraws, CyclicPoissonBatchSampler):
+    """privacy.mechanism=bandmf over users: the rank's users split into b parts by user position (strided, as
+    cyclic.py splits examples), part t mod b Poisson-sampled at p = b B_users / N_users_used at step t; a user is
+    drawn at most once every b steps, with all its capped examples."""
+
+    def __init__(self, shard: Shard, num_bands: int, steps: int, seed: int, rank: int, index: UserIndex,
+                 start_step: int = 0):
+        super().__init__(shard, num_bands, steps, seed, rank, start_step)
+        self.index = index
+
+
 @dataclass
 class UserMechanism(Mechanism):
     """The mechanism with a user as the unit: ``shard`` is over user positions (population N_users, rate q_user,
@@ -175,7 +199,9 @@ class UserMechanism(Mechanism):
     users: UserIndex | None = None
     unit = "user"
 
-    def sampler(self, seed: int, rank: int, start_step: int = 0) -> UserPoissonSampler:
+    def sampler(self, seed: int, rank: int, start_step: int = 0) -> UserPoissonSampler | UserCyclicSampler:
+        if self.kind == "bandmf":  # plan() recut the user shard into b equal parts (cyclic.py's banded_shard)
+            return UserCyclicSampler(self.shard, self.num_bands, self.steps, seed, rank, self.users, start_step)
         return UserPoissonSampler(self.shard, self.steps, seed, rank, self.users, start_step)
 
     def event_fields(self) -> dict[str, Any]:
@@ -188,5 +214,5 @@ class UserMechanism(Mechanism):
 def plan_users(p: Any, index: UserIndex, shard: Shard, shard_mode: str, world_size: int, steps: int) -> UserMechanism:
     """:func:`~workbench.privacy.mechanism.plan` over users (the same calibration and budget cut, q = q_user, delta
     below 1/N_users), as a :class:`UserMechanism`."""
-    m = plan(p, shard, shard_mode, world_size, steps)
+    m = plan(p, shard, shard_mode, world_size, steps, unit="users")
     return UserMechanism(**{f.name: getattr(m, f.name) for f in fields(Mechanism)}, users=index)

@@ -14,6 +14,10 @@ tensor summed, so the floating-point bound of clipping/bound.py holds per user (
 <= C (1 + RHO); a user whose bound is not finite or whose factor is tiny is recomputed alone in float64). Rounding in
 forming the mean is inside the clipped tensor, so it cannot escape the clip. book-keeping (``bk``) never forms
 per-example gradients and is not used here. A user's examples must be in one micro-batch (workbench/user_step.py).
+
+Adaptive clipping (clipping/adaptive.py) counts users: user u adds 1[its factor is 1] - 1/2 to the step's count
+slot, one term per user (sensitivity 1/2 under adding or removing a user, whatever its examples), and the
+schedule's B is the expected batch of users (the plan's shard is over users).
 """
 
 from __future__ import annotations
@@ -72,11 +76,12 @@ class PerUser(Strategy):
             for view, m, _ in per_user:
                 m = m if bad is None else zero_rows(m, bad)
                 view.view(-1).add_(torch.mv(m.t(), factor.to(m.dtype)))
-        if bad is not None:  # those users alone, their mean formed again in float64 (a float32 sum may overflow)
-            for k in bad.nonzero().flatten().tolist():
-                own = segment == k
-                add_exact({id(view): r[own].double().mean(0).view_as(view) for view, _, r in per_user}, self.clip,
-                          {id(view): view for view, _, _ in per_user})
+        exact = []  # those users alone, their mean formed again in float64 (a float32 sum may overflow)
+        for k in ([] if bad is None else bad.nonzero().flatten().tolist()):
+            own = segment == k
+            exact.append(add_exact({id(view): r[own].double().mean(0).view_as(view) for view, _, r in per_user},
+                                   self.clip, {id(view): view for view, _, _ in per_user}))
+        self.count(factor, exact)  # adaptive clipping: one term per user, never per example
         for p in self.params:
             p.grad_sample = None
             p.grad = None
