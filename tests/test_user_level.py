@@ -223,7 +223,7 @@ def test_a_resumed_user_level_run_ends_bit_exact(make_cfg):
     (["experiment=users", "privacy.max_examples_per_user=0"], "privacy.max_examples_per_user must be >= 1"),
     (["experiment=users", "privacy.unit=person"], "privacy.unit='person' is unknown"),
     (["experiment=users", "privacy.clipping=adaptive"], "does not support privacy.clipping=adaptive"),
-    (["experiment=users", "audit=canaries", "privacy.mechanism=bandmf"], "cannot audit privacy.mechanism=bandmf"),
+    (["experiment=users", "audit=canaries", "privacy.mechanism=bandmf"], "supports privacy.unit=example only"),
     (["experiment=users", "privacy.grad_sample_mode=bk"], "does not support grad_sample_mode=bk"),
     (["experiment=users", "privacy=none", "privacy.unit=user"], "does not support privacy.enabled=false"),
     (["experiment=users", "max_physical_batch_size=4"], "more than max_physical_batch_size=4"),

@@ -362,9 +362,6 @@ def validate(cfg: DictConfig) -> None:
         raise WorkbenchError("privacy needs privacy.noise_multiplier or privacy.target_epsilon (or privacy.enabled=false)")
     if p.clipping not in ("fixed", "adaptive"):
         raise WorkbenchError(f"privacy.clipping={p.clipping!r} is unknown; choose one of fixed, adaptive")
-    if p.enabled and p.clipping == "adaptive" and cfg.audit.enabled:
-        raise WorkbenchError("audit=canaries cannot audit privacy.clipping=adaptive yet: its canaries are made for a "
-                             "fixed C; use privacy.clipping=fixed")
     _check_unit(cfg)
     if p.mechanism not in ("dpsgd", "bandmf", "blt"):
         raise WorkbenchError(f"privacy.mechanism={p.mechanism!r} is unknown; choose one of dpsgd, bandmf, blt")
@@ -377,9 +374,6 @@ def validate(cfg: DictConfig) -> None:
         if p.clipping != "fixed":
             raise WorkbenchError("privacy.mechanism=bandmf supports privacy.clipping=fixed only (adaptive clipping's "
                                  "accounting with correlated noise is not built)")
-        if cfg.audit.enabled:
-            raise WorkbenchError(f"audit=canaries cannot audit privacy.mechanism={p.mechanism} yet (its observer "
-                                 "assumes independent noise); use privacy.mechanism=dpsgd or audit=none")
         if p.get("unit", "example") != "example":
             raise WorkbenchError(f"privacy.mechanism={p.mechanism} supports privacy.unit=example only (cyclic "
                                  "participation over users is not built); use privacy.mechanism=dpsgd for user-level DP")
