@@ -203,3 +203,158 @@ def test_cli_prints_the_bound_and_refuses_bad_audit_settings(tmp_path):
                  f"output_dir={tmp_path / 'run'}", cwd=tmp_path, module=("-m", "workbench.audit"))
     assert ok.returncode == 0, ok.stderr
     assert "audit: epsilon >= " in ok.stdout and "100 canaries" in ok.stdout
+
+
+# --------------------------------------------------------------- BandMF and adaptive clipping (issues 22 and 23)
+
+
+def _bandmf_audit(m, b, p, sigma, n=5):
+    """A CanaryAudit started as job.py starts it for a bandmf run (one rank, in-band rate p): the real observer."""
+    from types import SimpleNamespace
+
+    from workbench.privacy.auditing.canaries import CanaryAudit
+    from workbench.privacy.correlated import strategy
+
+    base = [(torch.zeros(2), 0)] * n
+    plan = SimpleNamespace(sample_rate=p, world_size=1, shard_mode="per_rank", expected_batch=1.0,
+                           gradient_noise_multiplier=sigma)
+    canaries = CanaryAudit(m, base, 0.05)
+    c = strategy(b, 12)
+    observer = canaries.start(secret=3, seed=0, clip=lambda: 1.0, mechanism=plan, coefficients=c)
+    return canaries, observer, np.asarray(c)
+
+
+def _released(c, steps, k, sigma, rng):
+    """y = K + sigma C^{-1} Z, per canary (columns): BandMF's released coordinates, simulated directly."""
+    b = len(c)
+    strat = sum(np.diag(np.full(steps - j, c[j]), -j) for j in range(b) if j < steps)
+    return k + sigma * np.linalg.solve(strat, rng.standard_normal((steps, k.shape[1]))), strat
+
+
+def test_bandmf_white_box_score_is_the_exact_likelihood_ratio():
+    """Against a brute-force oracle: the Gaussian likelihood of y under every participation pattern of the canary's
+    part (covariance sigma^2 C^{-1} C^{-T}), summed with its Bernoulli(p) weights, over the non-member's."""
+    from itertools import product
+
+    from scipy.stats import multivariate_normal
+
+    steps, b, p, sigma, m = 11, 3, 0.4, 0.9, 6
+    canaries, observer, c = _bandmf_audit(m, b, p, sigma)
+    rng = np.random.default_rng(0)
+    bands = (canaries.dataset.n + np.arange(m)) % b
+    k = np.zeros((steps, m))
+    for j in range(m):
+        k[bands[j]::b, j] = rng.random(len(range(bands[j], steps, b))) < p
+    y, strat = _released(c, steps, k, sigma, rng)
+    for t in range(steps):
+        observer.observe(y[t])
+    inv = np.linalg.inv(strat)
+    cov = sigma**2 * inv @ inv.T
+    for j in range(m):
+        slots = list(range(bands[j], steps, b))
+        member = 0.0
+        for pattern in product((0, 1), repeat=len(slots)):
+            mean = np.zeros(steps)
+            mean[slots] = pattern
+            weight = np.prod([p if x else 1 - p for x in pattern])
+            member += weight * multivariate_normal(mean, cov).pdf(y[:, j])
+        oracle = np.log(member / multivariate_normal(np.zeros(steps), cov).pdf(y[:, j]))
+        assert observer.scores[j] == pytest.approx(oracle, rel=1e-6, abs=1e-9)
+
+
+def test_bandmf_white_box_ratio_is_calibrated_on_non_members_and_members():
+    """E[LR] = 1 for a non-member and E[1 / LR] = 1 for a member: what a likelihood ratio is. Scoring BandMF's
+    correlated noise as if it were independent (the mutant bandmf-audit-ignores-correlation) breaks the first."""
+    steps, b, p, sigma, m = 12, 3, 0.5, 1.5, 40_000
+    rng = np.random.default_rng(1)
+    for member in (False, True):
+        canaries, observer, c = _bandmf_audit(m, b, p, sigma)
+        bands = (canaries.dataset.n + np.arange(m)) % b
+        k = np.zeros((steps, m))
+        if member:
+            for t in range(steps):
+                k[t] = (bands == t % b) & (rng.random(m) < p)
+        y, _ = _released(c, steps, k, sigma, rng)
+        for t in range(steps):
+            observer.observe(y[t])
+        ratio = np.exp(-observer.scores if member else observer.scores)
+        assert ratio.mean() == pytest.approx(1.0, abs=4 * ratio.std() / np.sqrt(m)), (member, ratio.mean())
+
+
+def test_bandmf_audit_of_a_correct_run_stays_below_its_epsilon():
+    """The simulated audit (the real observer on the mechanism simulated in numpy, each canary in its own part) at a
+    noise whose accounted epsilon is about 2: the bound is far below it, and the ideal bound is of the same size."""
+    from workbench.privacy.accounting.banded import BandMFAccountant
+
+    steps, b, p, sigma, m = 40, 4, 0.5, 1.2, 1000
+    canaries, observer, c = _bandmf_audit(m, b, p, sigma)
+    members = canaries.members
+    rng = np.random.default_rng(2)
+    bands = (canaries.dataset.n + np.arange(m)) % b
+    k = np.stack([(bands == t % b) & (rng.random(m) < p) & members for t in range(steps)]).astype(float)
+    y, _ = _released(c, steps, k, sigma, rng)
+    for t in range(steps):
+        observer.observe(y[t])
+    epsilon = BandMFAccountant("pld", p, sigma, b, 1, "per_rank").epsilon(steps, 1e-5)
+    found = audit.audit({"white_box": observer.scores}, members, 1e-5, 0.05, epsilon)
+    ideal = audit.ideal_lower_bound(m, p, sigma, steps, 1, "per_rank", 1e-5, observers=1, coefficients=tuple(c),
+                                    bands=bands)
+    assert found.epsilon_lower_bound < epsilon / 2 and ideal < epsilon / 2, (found, ideal, epsilon)
+    assert found.epsilon_lower_bound > 0.2 and ideal > 0.2  # the observer sees the canaries: not a blind audit
+
+
+def test_canary_slots_are_in_the_part_the_cyclic_sampler_draws_them_from():
+    from workbench.privacy.cyclic import CyclicPoissonBatchSampler, banded_shard, part_of
+    from workbench.privacy.sampling import train_shard
+
+    for rank in (0, 1):
+        shard = banded_shard(train_shard(103, rank, 2, "per_rank", 4), 3, 2)
+        sampler = CyclicPoissonBatchSampler(shard, 3, 9, seed=0, rank=rank)
+        for t in range(9):
+            assert {part_of(i, 3) for i in sampler.part(t)} == {t % 3}
+
+
+@pytest.mark.slow
+def test_a_crashed_bandmf_audit_resumes_to_the_uninterrupted_audit_below_its_epsilon(make_cfg, tmp_path, monkeypatch,
+                                                                                     mlflow_uri):
+    """One bandmf audited run three ways (crashed, resumed, whole): the resumed audit is the uninterrupted one exactly
+    (the observer's open blocks and past updates, the block and its optimizer state come back from the checkpoint);
+    the bound is finite and below the reported epsilon; the audit's state stays out of the published checkpoint."""
+    from mlflow import MlflowClient
+
+    from workbench import checkpoint, train
+
+    args = ["experiment=quick", "privacy.mechanism=bandmf", "privacy.num_bands=4", "save_steps=5", "audit=canaries",
+            "audit.canaries=500", "data.train._target_=tests.plugins.FailingSynthetic", "privacy.secure_seed=77"]
+    crashed = tmp_path / "crashed"
+    monkeypatch.setenv("WB_FAIL_AT_FETCH", "13")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train(make_cfg(*args, f"output_dir={crashed}", "tracking.enabled=false"))
+    monkeypatch.delenv("WB_FAIL_AT_FETCH")
+    saved = checkpoint.load(checkpoint.list_checkpoints(crashed)[-1])
+    assert 0 < saved["step"] < 20 and saved["audit"]["observer"]["step"] == saved["step"]
+    resumed = train(make_cfg(*args, f"output_dir={crashed}", "resume_from_checkpoint=latest", "tracking.enabled=false"))
+    whole = train(make_cfg(*args, f"output_dir={tmp_path / 'whole'}"))
+    assert resumed.steps == whole.steps == 20 and resumed.audit == whole.audit
+    assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), whole.model.parameters()))
+    a = whole.audit
+    assert math.isfinite(a.epsilon_lower_bound) and a.epsilon_lower_bound < whole.epsilon, (a, whole.epsilon)
+    assert a.p_value_of_reported > 0.05 and math.isfinite(a.ideal_lower_bound) and a.ideal_lower_bound < whole.epsilon
+    local = MlflowClient(tracking_uri=mlflow_uri).download_artifacts(whole.run_id, "checkpoints",
+                                                                      str(tmp_path / "published"))
+    assert "audit" not in checkpoint.load(next(Path(local).glob("*.pt")))
+    assert "audit" in checkpoint.load(whole.checkpoint)
+
+
+@pytest.mark.slow
+def test_an_adaptive_clipping_audit_reads_each_step_at_its_own_clip_norm(make_cfg):
+    """C moves every step; the canaries follow it and the observer reads step t in units of C_t / B at sigma_g: a
+    leaky run (sigma 0.5) is caught as well as the simulated correct run's ideal, and the bound stays below epsilon."""
+    from workbench import checkpoint, train
+
+    result = train(make_cfg("audit=canaries", "data=synthetic", "data.train.size=1000", "max_steps=60",
+                            "per_device_train_batch_size=64", "privacy.clipping=adaptive", "privacy.noise_multiplier=0.5",
+                            "privacy.target_epsilon=null", "privacy.secure_seed=11", "tracking.enabled=false"))
+    a = result.audit
+    assert checkpoint.load(result.checkpoint)["clipping"]["clip_norm"] < 0.5  # C fell far from its start (1.0)
+    assert a.ideal_lower_bound > 1 and a.epsilon_lower_bound > 1 and a.epsilon_lower_bound < result.epsilon, a

@@ -206,7 +206,6 @@ def test_bandmf_epsilon_agrees_with_jax_privacy():
     (["privacy.mechanism=fancy"], "privacy.mechanism='fancy' is unknown"),
     (["privacy.mechanism=bandmf", "shard=global"], "supports ddp_shard=per_rank only"),
     (["privacy.mechanism=bandmf", "privacy.clipping=adaptive"], "supports privacy.clipping=fixed only"),
-    (["privacy.mechanism=bandmf", "audit=canaries"], "cannot audit privacy.mechanism=bandmf"),
     (["privacy.mechanism=bandmf", "privacy.num_bands=0"], "privacy.num_bands must be"),
 ])
 def test_what_is_not_built_or_accounted_is_refused_in_one_line(make_cfg, overrides, message):

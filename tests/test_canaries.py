@@ -33,7 +33,7 @@ def test_canaries_take_the_trainers_own_path_and_touch_only_their_coordinate(mod
     members = canaries.dataset.draw_membership(secret=7, seed=0)
     assert 0 < members.sum() < m
     batch = canaries.dataset.__getitems__(ordinary + [len(base) + j for j in range(m)])
-    module, criterion = canaries.wrap(_model(), nn.CrossEntropyLoss(reduction="none"), clip)
+    module, criterion = canaries.wrap(_model(), nn.CrossEntropyLoss(reduction="none"), lambda: clip)
     step = GradientStep(module, criterion, setup("gloo"), max_grad_norm=clip, noise_multiplier=0.0, grad_sample_mode=mode)
     step.check(batch)
     _, count = step(batch, step=0)
@@ -60,3 +60,26 @@ def test_examples_must_be_tensor_pairs():
     with pytest.raises(WorkbenchError, match=r"\(x, y\) examples"):
         CanaryAudit(10, [{"x": torch.zeros(2)}], 0.05)
     assert len(CanaryAudit(10, _set(), 0.05).dataset) == 12 + 10
+
+
+def test_with_adaptive_clipping_each_canary_gradient_has_the_steps_own_c():
+    """C_t moves between steps: a member canary's released coordinate is C_t (not the initial C), read at each step."""
+    from workbench.distributed import setup
+    from workbench.privacy.clipping.adaptive import AdaptiveClip
+    from workbench.step import GradientStep
+
+    base, m = _set(), 10
+    canaries = CanaryAudit(m, base, 0.05)
+    members = torch.from_numpy(canaries.dataset.draw_membership(secret=7, seed=0))
+    batch = canaries.dataset.__getitems__([len(base) + j for j in range(m)])
+    schedule = AdaptiveClip(0.5, count_noise=10.0, expected_batch=m)
+    module, criterion = canaries.wrap(_model(), nn.CrossEntropyLoss(reduction="none"), lambda: schedule.value)
+    step = GradientStep(module, criterion, setup("gloo"), max_grad_norm=0.5, noise_multiplier=0.0,
+                        grad_sample_mode="bk", clip_schedule=schedule)
+    step.count_noise.adds = False  # a noiseless count: C moves by the canaries' own clipped count alone
+    for t in range(3):
+        clip = schedule.value
+        step(batch, step=t)
+        got = module.canaries.weight.grad.reshape(-1)
+        assert bool((got[members] <= clip * (1 + RHO)).all()) and bool((got[members] >= clip * (1 - CLIPPED_RTOL)).all())
+        assert schedule.value != clip  # the schedule moved: the next step's canaries follow it

@@ -90,9 +90,8 @@ def test_mapping_examples_keep_a_one_line_refusal():
 
 
 @pytest.mark.parametrize("overrides, says", [
-    (["privacy.mechanism=bandmf"], "cannot audit privacy.mechanism=bandmf"),
+    (["privacy.mechanism=bandmf"], "supports privacy.unit=example only"),
     (["privacy.clipping=adaptive"], "privacy.clipping=adaptive"),
-    (["resume_from_checkpoint=latest_or_new"], "cannot resume"),
 ])
 def test_unsupported_user_level_audits_are_refused_in_one_line(make_cfg, overrides, says):
     from workbench.run import train

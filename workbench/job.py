@@ -89,8 +89,6 @@ def training_sets(cfg: DictConfig) -> tuple[Any, Any, Any]:
     train_set = _instantiate(config.own_arguments(cfg, "data.train"), "data.train")
     if not cfg.audit.enabled:
         return train_set, train_set, None
-    if cfg.resume_from_checkpoint:
-        raise WorkbenchError("audit=canaries cannot resume a run yet (its observers start at step 0)")
     from workbench.privacy.auditing.canaries import CanaryAudit
 
     canaries = CanaryAudit(cfg.audit.canaries, train_set, cfg.audit.significance)
@@ -228,7 +226,9 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
     for message in plan.notes:
         warnings.warn(message, stacklevel=1)
 
-    trained, trained_criterion = canaries.wrap(model, criterion, p.max_grad_norm) if canaries else (model, criterion)
+    # The canaries' gradient norm: the step's C (adaptive clipping: C_t, read as the step runs)
+    canary_clip = (lambda: plan.clipping.value) if plan.private else (lambda: p.max_grad_norm)
+    trained, trained_criterion = canaries.wrap(model, criterion, canary_clip) if canaries else (model, criterion)
     step_class = GradientStep if index is None else UserGradientStep  # unit=user: users' mean gradients clipped
     step_fn = step_class(trained, trained_criterion, d, max_grad_norm=plan.max_grad_norm,
                            noise_multiplier=plan.gradient_noise_multiplier, grad_sample_mode=p.grad_sample_mode,
@@ -262,7 +262,8 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
                 raise WorkbenchError(f"checkpoint {str(path)!r} was written under a different privacy config "
                                      "(batch, steps, seed, shard, world size, noise, clipping or data differ); refusing to resume")
             hf.load_model_state(model, state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+            optimizer.load_state_dict(canaries.with_canaries(state["optimizer"], state.get("audit"))
+                                      if canaries else state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             if plan.private:
                 plan.accountant.load_state_dict(state["accountant"])
@@ -279,7 +280,10 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
                            d.rank, start_step)
     named = [(name, prm) for name, prm in model.named_parameters() if prm.requires_grad]
     if canaries:
-        user_callbacks.append(canaries.start(secret, cfg.seed, p.max_grad_norm, plan))
+        coefficients = step_fn.noise.c if plan.strategy is not None else None  # bandmf: the noise's own (a resume's)
+        user_callbacks.append(canaries.start(secret, cfg.seed, canary_clip, plan, coefficients))
+        if start_step:  # where the checkpoint left the audit (the run folder's private state)
+            canaries.load_state_dict(state.get("audit"), start_step)
         named = canaries.named_parameters(model)
     eval_loader = None
     if eval_set is not None:

@@ -36,7 +36,8 @@ if TYPE_CHECKING:  # audit=canaries only: scipy.stats is most of a second to imp
 log = logging.getLogger("workbench")
 
 # Checkpoint entries that stay in the run folder and never reach MLflow (see _fit).
-PRIVATE_STATE = ("secret", "privacy_digest", "correlated_noise")  # bandmf's ring: past noise, as secret as the secret
+# bandmf's ring: past noise, as secret as the secret; audit: the canaries' scores and their observer's past updates
+PRIVATE_STATE = ("secret", "privacy_digest", "correlated_noise", "audit")
 
 
 @dataclass
@@ -186,6 +187,8 @@ def _blame_data(cfg: DictConfig, d: distributed.Dist, job: Job, step: int, error
     """A step that raised (not one that went non-finite): data that turned bad past the examples the pre-run check
     read (a label out of range, another width, a record that cannot be read). Raise one line naming the dataset index
     when one example of the step's batch fails alone; return when none does (the error is not the data's)."""
+    if job.canaries:  # its examples are tagged for the audited model, not the user's: the step's own error stands
+        return
     loader = job.loader
     name = f"data.train ({cfg.data.train.get('_target_', 'no _target_')})"
     try:
@@ -210,7 +213,8 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
                 "privacy_digest": job.digest, "world_size": d.world_size, "secret": job.secret,
                 "accountant": accountant.state_dict() if accountant is not None else None,
                 "clipping": plan.clipping.state_dict() if plan.private else None,
-                **({"correlated_noise": job.step_fn.noise.state_dict()} if plan.strategy is not None else {})}
+                **({"correlated_noise": job.step_fn.noise.state_dict()} if plan.strategy is not None else {}),
+                **({"audit": canaries.state_dict(optimizer)} if canaries else {})}
 
     def save(step: int) -> None:
         snapshot = state(step)

@@ -44,6 +44,12 @@ def banded_shard(shard: Shard, num_bands: int, world_size: int) -> Shard:
                  shard.dropped + shard.population - population, shard.expected_batch)
 
 
+def part_of(index, num_bands: int):
+    """The part of dataset index ``index`` (an int or an array): index mod b, on every rank, since each rank's shard
+    starts at a multiple of b (banded_shard). An index past the population is in no shard: it is never drawn."""
+    return index % num_bands
+
+
 class CyclicPoissonBatchSampler:
     """Yields, for each logical step in [start_step, steps), this rank's Poisson(p) draw from part (step mod b) of its
     shard. Stateless per step (a resumed run draws the same batches); with b = 1 it is PoissonBatchSampler exactly."""

@@ -157,28 +157,49 @@ def white_box_llr(x: np.ndarray, sigma: float, probs: np.ndarray) -> np.ndarray:
     """Per canary, log P(x | member) / P(x | non-member) for one step's observation x = K + sigma Z (the canary's
     coordinate of the released update in units of C / B): log sum_k p_k exp((k x - k^2 / 2) / sigma^2).
     sigma = 0 (no noise): x itself (x = K exactly; any positive value proves membership)."""
-    x = np.asarray(x, dtype=float)
+    return block_llr(x, 1.0, sigma, probs)
+
+
+def block_llr(a: np.ndarray, n: np.ndarray | float, sigma: float, probs: np.ndarray) -> np.ndarray:
+    """The same ratio for a block v = K c + sigma Z (Z iid N(0, I)) of known direction c, seen through its sufficient
+    statistic a = <v, c> with n = ||c||^2: log sum_k p_k exp((k a - k^2 n / 2) / sigma^2). BandMF's whitened
+    observations are such blocks (canaries.py); DP-SGD's one step is the block c = (1,). sigma = 0: a / n."""
+    a = np.asarray(a, dtype=float)
+    n = np.broadcast_to(np.asarray(n, dtype=float), a.shape)
     if sigma == 0:
-        return x
+        return a / n
     k = np.arange(len(probs), dtype=float)
     with np.errstate(divide="ignore"):
         log_p = np.log(probs)
-    return logsumexp(log_p[None, :] + (np.outer(x, k) - k**2 / 2) / sigma**2, axis=1)
+    return logsumexp(log_p[None, :] + (np.outer(a, k) - np.outer(n, k**2) / 2) / sigma**2, axis=1)
 
 
 def ideal_lower_bound(m: int, sample_rate: float, sigma: float, steps: int, world_size: int, shard: str, delta: float,
-                      significance: float = SIGNIFICANCE, observers: int = 2, seed: int = IDEAL_SEED) -> float:
+                      significance: float = SIGNIFICANCE, observers: int = 2, seed: int = IDEAL_SEED,
+                      coefficients: tuple[float, ...] | None = None, bands: np.ndarray | None = None) -> float:
     """The bound a correct DP-SGD would reach: the white-box audit of a simulated run (same m, q, sigma, steps,
-    multiplicities), with the real audit's Bonferroni family (``observers`` x the grid) so the two compare."""
+    multiplicities), with the real audit's Bonferroni family (``observers`` x the grid) so the two compare.
+    BandMF (``coefficients`` c, each canary's cyclic part in ``bands``): the whitened blocks the white-box observer
+    scores, block s of norm^2 n_s = sum_{d < min(b, T - s)} c_d^2 (canaries.py's WhiteBoxObserver)."""
     rng = np.random.default_rng(seed)
     members = rng.random(m) < 0.5
     probs = multiplicity_probs(sample_rate, world_size, shard)
     scores = np.zeros(m)
-    for start in range(0, steps, 256):  # chunks of steps: memory m x 256
-        n = min(256, steps - start)
-        k = rng.choice(len(probs), size=(n, m), p=probs) * members
-        x = k + sigma * rng.standard_normal((n, m))
-        scores += white_box_llr(x.ravel(), sigma, probs).reshape(n, m).sum(axis=0)
+    if coefficients is not None:
+        b, tail = len(coefficients), np.cumsum(np.square(coefficients))
+        for first in range(0, steps, b):  # the i-th participation step of each canary: s = first + its band
+            s = first + np.asarray(bands)
+            live = s < steps
+            n = tail[np.clip(steps - s, 1, b) - 1]
+            k = rng.choice(len(probs), size=m, p=probs) * members
+            a = k * n + sigma * np.sqrt(n) * rng.standard_normal(m)
+            scores += np.where(live, block_llr(a, n, sigma, probs), 0.0)
+    else:
+        for start in range(0, steps, 256):  # chunks of steps: memory m x 256
+            n = min(256, steps - start)
+            k = rng.choice(len(probs), size=(n, m), p=probs) * members
+            x = k + sigma * rng.standard_normal((n, m))
+            scores += white_box_llr(x.ravel(), sigma, probs).reshape(n, m).sum(axis=0)
     tests = len(guess_counts(m)) * observers
     level = significance / tests
     return max(epsilon_lower_bound(m, kp + km, correct_guesses(scores, members, kp, km), delta, level)
