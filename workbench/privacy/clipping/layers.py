@@ -202,13 +202,17 @@ class LinearRule:
             self._add_clipped_rows(m, names, a, g, factor, view_of)
             return
         c = per_call(_per_example(a) // a.shape[-1])
+        narrow_a = a.shape[-1] < g.shape[-1]  # the factors scale the narrower of a and g: fewer products
         for s in range(0, len(a), c):  # out of place: autograd may hand one gradient tensor to two layers
-            gs, as_ = g[s:s + c], a[s:s + c]
-            scaled = (gs * factor[s:s + c].view(-1, *[1] * (gs.dim() - 1))).to(dtype).reshape(-1, gs.shape[-1])
+            gs, as_, fs = g[s:s + c], a[s:s + c], factor[s:s + c]
+            f = fs.view(-1, *[1] * (gs.dim() - 1))
             if "weight" in names:
-                view_of[id(m.weight)].addmm_(scaled.t(), as_.reshape(-1, as_.shape[-1]).to(dtype))
-            if "bias" in names:
-                view_of[id(m.bias)].add_(scaled.sum(0))
+                left, right = (gs, as_ * f) if narrow_a else (gs * f, as_)
+                view_of[id(m.weight)].addmm_(left.to(dtype).reshape(-1, gs.shape[-1]).t(),
+                                             right.to(dtype).reshape(-1, as_.shape[-1]))
+            if "bias" in names:  # sum_i f_i sum_t g_it: per-example sums over T, one matrix-vector product, one cast
+                sums = gs.reshape(len(gs), -1, gs.shape[-1]).sum(1)
+                view_of[id(m.bias)].add_(torch.mv(sums.t(), fs.to(sums.dtype)).to(dtype))
 
     @staticmethod
     def _add_clipped_rows(m, names, a, g, factor, view_of):
