@@ -5,7 +5,7 @@ model, timed in one process on the same replayed Poisson batches, interleaved (b
 to the non-private step; peak step memory as benchmarks.throughput measures it.
 
     python -m benchmarks.issue21            # writes benchmarks/presets_gpt_vit.json (one run; the committed file
-                                            # holds two, under "runs", taken at different loads of a shared machine)
+                                            # holds four, under "runs", and issue 21's two under "before_issue_24")
 """
 
 from __future__ import annotations

@@ -97,11 +97,21 @@ MUTANTS = (
            (FP_CANCEL + "[conv1x1_kept]", FP_CANCEL + "[patch_embedding]")),
     Mutant("fp-linear-seq-norm-without-kernel-error", "the Linear sequence kept route clips against the float32 "
            "per-sample norm, not the matmul's sum",
-           "workbench/privacy/clipping/layers.py", "scale = (gamma(steps + 1) + gamma(kernel_depth(batch, steps)))",
-           "scale = 0 * (gamma(steps + 1) + gamma(kernel_depth(batch, steps)))",
+           "workbench/privacy/clipping/layers.py", "scale = (formed + gamma(kernel_depth(batch, steps)))",
+           "scale = 0 * (formed + gamma(kernel_depth(batch, steps)))",
            (FP_CANCEL + "[linear_seq_kept]", FP_FUZZ,
             "tests/test_fp_bound.py::test_a_reduced_float32_matmul_precision_does_not_loosen_the_bound[medium]",
             "tests/test_fp_bound.py::test_a_reduced_float32_matmul_precision_does_not_loosen_the_bound[high]")),
+    Mutant("bk-linear-gram-drops-cross-positions", "the Linear Gram route sums <a_t,a_t><g_t,g_t> alone (positions "
+           "taken for examples): each example's norm is wrong", "workbench/privacy/clipping/layers.py",
+           "mul_(g @ g.transpose(1, 2)).sum((1, 2))", "mul_(g @ g.transpose(1, 2)).diagonal(dim1=1, dim2=2).sum(1)",
+           ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear_sequence_gram-bk]",
+            "tests/test_layers.py::test_the_linear_gram_route_is_taken_where_it_costs_fewer_flops")),
+    Mutant("bk-scalar-copies-read-per-feature", "a raw scalar's per-example copies are (n,): a (n, d) activation "
+           "reads copy j for feature j, mixing examples", "workbench/privacy/clipping/book_keeping.py",
+           "return p.expand(n, *[1] * self.ones)", "return p.expand(n)",
+           ("tests/test_model_zoo.py::test_broadcast_parameters_get_each_examples_own_clipped_gradient"
+            "[auto-layer_scale_rezero]",)),
     Mutant("fp-embedding-norm-without-kernel-error", "Embedding clips against float64 row sums, not the float32 "
            "index_add_ that sums them", "workbench/privacy/clipping/layers.py",
            "magnitude.mul_((gamma(steps, U64) + gamma(kernel_depth(batch, steps))) * scale)",

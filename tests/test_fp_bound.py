@@ -95,6 +95,7 @@ LAYERS = {
     "linear_rows": (lambda: Probe(nn.Linear(16, 8), (16,), 8, 1), 1, 16),
     "linear_seq_kept": (lambda: Probe(nn.Linear(64, 64), (8, 64), 64, 8), 8, 64),
     "linear_seq_formed": (lambda: Probe(nn.Linear(4, 4), (16, 4), 4, 16), 16, 4),
+    "linear_seq_gram": (lambda: Probe(nn.Linear(64, 64), (2, 64), 64, 2), 2, 64),
     "linear_reused": (lambda: Probe(nn.Linear(32, 32), (6, 32), 32, 6, twice=True), 6, 32),
     "lora": (lambda: Probe(LoRALinear(32, 32), (6, 32), 32, 6), 6, 32),
     "conv1x1_kept": (lambda: Probe(nn.Conv2d(64, 64, 1), (64, 4, 4), 64, 16, channels_first=True), 16, 64),
@@ -222,7 +223,7 @@ def _embedding_cancelling(model: EmbeddingProbe, seed: int) -> torch.Tensor:
     return torch.full((1, 12), 1.0)
 
 
-@pytest.mark.parametrize("name", ["conv1x1_kept", "patch_embedding", "linear_seq_kept", "embedding"])
+@pytest.mark.parametrize("name", ["conv1x1_kept", "patch_embedding", "linear_seq_kept", "linear_seq_gram", "embedding"])
 def test_inputs_that_cancel_across_positions_are_released_within_the_clip(name):
     """The issue's cases: one example whose terms cancel across positions (a 1x1 convolution and a patch embedding on
     the kept/Gram route, a Linear on sequences, an Embedding whose repeated rows cancel). Its exact gradient is near 0,

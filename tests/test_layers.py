@@ -58,6 +58,7 @@ CASES = {
     "linear": (lambda: Probe(nn.Linear(5, 6), 6), _floats(BATCH, 5)),
     "linear_sequence": (lambda: Probe(nn.Linear(5, 6), 4 * 6), _floats(BATCH, 4, 5)),
     "linear_reused": (lambda: Probe(nn.Linear(5, 5), 4 * 5, reuse=True), _floats(BATCH, 4, 5)),
+    "linear_sequence_gram": (lambda: Probe(nn.Linear(16, 24), 2 * 24), _floats(BATCH, 2, 16)),  # bk: Gram route
     "conv1d": (lambda: Probe(nn.Conv1d(2, 3, 3, padding=1), 3 * 6), _floats(BATCH, 2, 6)),
     "conv1d_reused": (lambda: Probe(nn.Conv1d(3, 3, 3, padding=1), 3 * 6, reuse=True), _floats(BATCH, 3, 6)),
     "conv2d": (lambda: Probe(nn.Conv2d(2, 4, 3, padding=1, stride=2), 4 * 3 * 3), _floats(BATCH, 2, 5, 5)),
@@ -111,6 +112,21 @@ def test_clipped_sum_equals_the_per_example_loop(case, mode):
     assert count == len(y)
     for p, e in zip(step.params, expected):
         torch.testing.assert_close(p.grad.double(), e, rtol=1e-4, atol=1e-6)
+
+
+def test_the_linear_gram_route_is_taken_where_it_costs_fewer_flops():
+    """bk's kept Linear sequences take the Gram route where T (d_in + d_out) GRAM_IF < d_in d_out (the vit preset's
+    layers, the linear_sequence_gram case above), else form per-sample gradients (the gpt preset's); the Gram norms
+    are those of the per-sample gradients formed independently (float64 einsum)."""
+    from workbench.privacy.clipping.layers import LinearRule
+
+    rule = LinearRule()
+    for t, d_in, d_out, gram in ((5, 32, 96, True), (5, 32, 64, True), (2, 16, 24, True), (5, 32, 32, False),
+                                 (32, 64, 192, False), (32, 64, 256, False)):
+        assert rule.use_gram(torch.zeros(1, t, d_in), torch.zeros(1, t, d_out)) is gram, (t, d_in, d_out)
+    a, g = _floats(BATCH, 5, 32), _floats(BATCH, 5, 96).flip(0)
+    per_sample = torch.einsum("nto,nti->noi", g.double(), a.double())
+    torch.testing.assert_close(rule._gram(a, g), per_sample.square().sum((1, 2)), rtol=1e-12, atol=0)
 
 
 def test_the_small_cnn_trains_privately(make_cfg, mlflow_uri):

@@ -61,6 +61,19 @@ class LayerScaleReZero(nn.Module):
         return self.head(h)
 
 
+class ReZeroSequence(nn.Module):
+    """A ReZero alpha on a sequence branch: (B, T, d) activations, so its copies must be (B, 1, 1)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.inp, self.mlp, self.head = nn.Linear(4, d), nn.Linear(d, d), nn.Linear(d, 3)
+        self.alpha = nn.Parameter(torch.tensor(0.6))
+
+    def forward(self, x):
+        h = self.inp(x.view(len(x), 4, 4))
+        return self.head((h + self.alpha * torch.tanh(self.mlp(h))).mean(1))
+
+
 class WithDropout(SharedPositions):
     def __init__(self):
         super().__init__()
@@ -70,7 +83,8 @@ class WithDropout(SharedPositions):
         return super().forward(self.drop(x))
 
 
-MODELS = {"shared_positions": SharedPositions, "vit": TinyViT, "layer_scale_rezero": LayerScaleReZero}
+MODELS = {"shared_positions": SharedPositions, "vit": TinyViT, "layer_scale_rezero": LayerScaleReZero,
+          "rezero_sequence": ReZeroSequence}
 
 
 def _clipped_sum_loop(make, x, y, clip):
@@ -114,9 +128,9 @@ def test_broadcast_parameters_get_each_examples_own_clipped_gradient(name, mode)
         x = x[:, :16]
     step = _step(make(), mode)
     step.check((x[:8], y[:8]))
-    if mode == "auto":  # bk expands shared ids and raw parameters per example; ReZero's scalar alpha expanded to (B,)
-        # would be read per feature, not per example: bk's check refuses it, hooks clips it
-        assert step.mode == {"shared_positions": "bk", "vit": "bk", "layer_scale_rezero": "hooks"}[name], step.mode_note
+    if mode == "auto":  # bk expands shared ids and raw parameters per example; ReZero's scalar alpha to (B, 1), the
+        # shape its check finds (as (B,) it would be read per feature, not per example: the float64 loop below tells)
+        assert step.mode == "bk", step.mode_note
     step((x, y), step=0)  # 11 examples in micro-batches of 5: 5, 5, 1
     expected = _clipped_sum_loop(make, x, y, CLIP)
     for p, e in zip(step.params, expected):

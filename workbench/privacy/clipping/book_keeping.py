@@ -79,10 +79,16 @@ class _Raw:
     def __init__(self, owner: nn.Module, name: str, full: str):
         self.owner, self.name, self.full = owner, name, full
         self.weight = getattr(owner, name)
+        self.ones = 1  # a scalar's copies are (n, 1, ...): as many 1s as the rank of what it multiplies, less one
 
     def expand(self, n: int) -> torch.Tensor:
         p = self.weight
-        return p.expand(n, *p.shape[1:]) if p.dim() and p.shape[0] == 1 else p.expand(n, *p.shape)
+        if p.dim() == 0:  # a ReZero alpha: one copy per example, broadcast over that example's own features
+            return p.expand(n, *[1] * self.ones)
+        return p.expand(n, *p.shape[1:]) if p.shape[0] == 1 else p.expand(n, *p.shape)
+
+
+SCALAR_RANKS = (1, 2, 3)  # the 1s a raw scalar's copies may take: (n, 1) for (n, d) activations ... (n, 1, 1, 1)
 
 
 class RawRule:
@@ -306,7 +312,20 @@ class BookKeeping(Strategy):
     def check(self, batch, loss_fn: LossFn) -> None:
         """On a real batch, in the model's training mode: each example's row of bk must be that example's own gradient
         (autograd's gradient of its loss alone). Time-major inputs, layers or losses that mix examples, and weights
-        used outside their layer all fail it; mixing that appears only in larger batches cannot be seen."""
+        used outside their layer all fail it; mixing that appears only in larger batches cannot be seen.
+        Raw scalars (ReZero alphas) multiply activations of a rank the layers do not say: their copies' shape
+        (n, 1, ...) is the first of ``SCALAR_RANKS`` under which the check passes, else the first refusal is raised."""
+        scalars, refusal = [h for h in self.raw if h.weight.dim() == 0], None
+        for ones in SCALAR_RANKS if scalars else (1,):
+            for h in scalars:
+                h.ones = ones
+            try:
+                return self._check(batch, loss_fn)
+            except WorkbenchError as e:
+                refusal = refusal or e
+        raise refusal
+
+    def _check(self, batch, loss_fn: LossFn) -> None:
         was_training = self.module.training
         self.module.train()  # the mode it trains in, whatever mode it was handed over in
         try:

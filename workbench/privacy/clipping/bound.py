@@ -17,7 +17,10 @@ The argument (u = 2^-24, float32's unit roundoff; gamma_k = k u / (1 - k u), the
    its distance from the exact gradient is at most gamma_K S_i, S_i = sum_t ||g_it|| ||a_it|| (>= the Frobenius norm
    of sum_t |g_it| |a_it|^T; bounded above by ||g_i||_F ||a_i||_F, Cauchy-Schwarz). Kernels run on chunks of examples
    (``layers.KERNEL_ROWS``) so that K is public and small: it never depends on how many examples were drawn. Rules that form per-sample gradients clip exactly what they sum (their error is
-   gamma_{n+2} of the norm, in ``rel``: one matrix-vector product and the add into the buffer).
+   gamma_{n+2} of the norm, in ``rel``: one matrix-vector product and the add into the buffer). Gram routes (kept
+   convolutions, kept Linear sequences) compute n2 in float64 from the exact float64 copies of a and g, within
+   gamma64_D S_i^2 of the exact squared norm (D = d_in + d_out + T^2 + 2 roundings per term), so their norm is within
+   sqrt(gamma64_D) S_i of it: that margin is in ``err`` beside the kernel's.
 2. The parts are disjoint blocks of the example's vector, so B_i = (sqrt(sum n2 + sum floor) + sum err)(1 + max rel)
    bounds the norm of the unscaled vector added; :func:`clip_factors` derives f_i <= 1 with f_i B_i <= C - slack
    (the float32 factor, its product with g and the float32 sums and (r)sqrt of the bound are inside a 1 + 8u).

@@ -107,8 +107,13 @@ class Materialised:
 
 class LinearRule:
     """nn.Linear on (n, d) or (n, ..., d) inputs. One row per example: ||g_i a_i^T||^2 = ||a_i||^2 ||g_i||^2, the calls
-    kept, the clipped sum one matmul. Sequences: the per-sample gradient sum_t g_it a_it^T (one batched matmul, exact
-    and never negative, unlike the Gram-matrix "ghost" norm in float32), kept in place of a and g where smaller."""
+    kept, the clipped sum one matmul. Sequences: the per-sample gradient sum_t g_it a_it^T (one batched matmul), formed
+    in place of a and g where smaller. Kept sequences take their norms by whichever costs fewer flops per example (the
+    mixed ghost-norm rule of Bu et al., 2023): per-sample gradients formed (T d_in d_out) or the Gram route
+    sum_{t,t'} <a_t,a_t'> <g_t,g_t'> (T^2 (d_in + d_out)), in float64 (never negative from cancellation as in float32;
+    weighted ``GRAM_IF`` for float64's cost: measured on the vit and gpt presets' shapes)."""
+
+    GRAM_IF = 4.0
 
     @staticmethod
     def keeps(m, a, g) -> bool:
@@ -132,6 +137,17 @@ class LinearRule:
             return torch.bmm(a.transpose(1, 2), g).transpose(1, 2)
         return torch.bmm(g.transpose(1, 2), a)
 
+    def use_gram(self, a: torch.Tensor, g: torch.Tensor) -> bool:
+        """Kept sequences (n, T, d_in), (n, T, d_out): per-sample weight norms by the Gram route (else formed)."""
+        return self.GRAM_IF * a.shape[1] * (a.shape[2] + g.shape[2]) < a.shape[2] * g.shape[2]
+
+    @staticmethod
+    def _gram(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """(n,) float64 squared norms of sum_t g_t a_t^T: sum_{t,t'} <a_t,a_t'> <g_t,g_t'> on the inputs made float64
+        (exact), within gamma64_{d_in+d_out+T^2+2} S^2 of the exact, S = sum_t ||g_t|| ||a_t||; clamped at 0."""
+        a, g = a.double(), g.double()
+        return (a @ a.transpose(1, 2)).mul_(g @ g.transpose(1, 2)).sum((1, 2)).clamp_(min=0)
+
     @staticmethod
     def prepare(m, calls: Calls, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if len(calls) == 1 and calls[0][0].dim() == 2:
@@ -153,12 +169,19 @@ class LinearRule:
             rel = (gamma(a.shape[1] + 2) + gamma(g.shape[1] + 2)) / 2 + 2 * U32 + gamma(kernel_depth(batch, 1))
             return Bound(n2, rel, slack=UNDERFLOW * math.sqrt(m.weight.numel() + g.shape[1]),
                          floor=2.0 ** -148)  # the float32 product of two tiny squares may round to 0
-        # sequences: per-sample gradients formed in float32 (sum over T: within gamma_T S of the exact), the clipped
+        # sequences: per-sample gradients formed in float32 (sum over T: within gamma_T S of the exact) or the Gram
+        # route in float64 (its squared norm within gamma64_D S^2, so its norm within sqrt(gamma64_D) S), the clipped
         # sum one matmul per chunk of examples (within gamma_depth S), S = sum_t ||g_t|| (||a_t|| + 1 with a bias)
         # <= ||g||_F (||a||_F + sqrt(T)) by Cauchy-Schwarz: two passes, no per-position tensors
         steps = a.shape[1]
         (gn, g_rel), (an, a_rel) = example_norms(g), example_norms(a)
-        w = squares(self._weights(a, g)) if "weight" in names else None
+        gram = "weight" in names and self.use_gram(a, g)
+        formed = gamma(steps + 1)  # the bias's sum over T is formed in float32 on both routes
+        if gram:
+            formed = max(formed, math.sqrt(gamma(a.shape[2] + g.shape[2] + steps ** 2 + 2, U64)))
+            w = Bound(self._gram(a, g))
+        else:
+            w = squares(self._weights(a, g)) if "weight" in names else None
         b = squares(g.sum(1)) if "bias" in names else None
         if w is None:
             n2, rel, floor, magnitude = b.n2, b.rel, b.floor, gn.mul_(math.sqrt(steps))
@@ -167,7 +190,7 @@ class LinearRule:
         else:
             n2, rel, floor = w.n2.double().add_(b.n2), max(w.rel, b.rel), w.floor + b.floor
             magnitude = gn.mul_(an.add_(math.sqrt(steps)))
-        scale = (gamma(steps + 1) + gamma(kernel_depth(batch, steps))) * (1 + g_rel) * (1 + a_rel) * (1 + 4 * U64)
+        scale = (formed + gamma(kernel_depth(batch, steps))) * (1 + g_rel) * (1 + a_rel) * (1 + 4 * U64)
         return Bound(n2, rel, magnitude.mul_(scale),
                      UNDERFLOW * steps * math.sqrt(sum(getattr(m, k).numel() for k in names)), floor)
 
@@ -179,13 +202,17 @@ class LinearRule:
             self._add_clipped_rows(m, names, a, g, factor, view_of)
             return
         c = per_call(_per_example(a) // a.shape[-1])
+        narrow_a = a.shape[-1] < g.shape[-1]  # the factors scale the narrower of a and g: fewer products
         for s in range(0, len(a), c):  # out of place: autograd may hand one gradient tensor to two layers
-            gs, as_ = g[s:s + c], a[s:s + c]
-            scaled = (gs * factor[s:s + c].view(-1, *[1] * (gs.dim() - 1))).to(dtype).reshape(-1, gs.shape[-1])
+            gs, as_, fs = g[s:s + c], a[s:s + c], factor[s:s + c]
+            f = fs.view(-1, *[1] * (gs.dim() - 1))
             if "weight" in names:
-                view_of[id(m.weight)].addmm_(scaled.t(), as_.reshape(-1, as_.shape[-1]).to(dtype))
-            if "bias" in names:
-                view_of[id(m.bias)].add_(scaled.sum(0))
+                left, right = (gs, as_ * f) if narrow_a else (gs * f, as_)
+                view_of[id(m.weight)].addmm_(left.to(dtype).reshape(-1, gs.shape[-1]).t(),
+                                             right.to(dtype).reshape(-1, as_.shape[-1]))
+            if "bias" in names:  # sum_i f_i sum_t g_it: per-example sums over T, one matrix-vector product, one cast
+                sums = gs.reshape(len(gs), -1, gs.shape[-1]).sum(1)
+                view_of[id(m.bias)].add_(torch.mv(sums.t(), fs.to(sums.dtype)).to(dtype))
 
     @staticmethod
     def _add_clipped_rows(m, names, a, g, factor, view_of):
