@@ -144,8 +144,13 @@ MUTANTS = (
            "torch.save(state(steps), published)",
            ("tests/test_resume.py::test_streams_are_secret_unless_pinned",)),
     Mutant("pinned-seed-in-overrides-tag", "a pinned secure_seed reaches MLflow in the overrides tag and params",
-           "workbench/tracking/redaction.py", 'return _SECRET_OVERRIDE.sub(r"\\1<redacted>", text)', "return text",
+           "workbench/tracking/redaction.py", 'text = _SECRET_OVERRIDE.sub(r"\\1<redacted>", text)', "return text",
            ("tests/test_tracking_redaction.py::test_secrets_never_reach_mlflow",)),
+    Mutant("pinned-seed-copied-elsewhere", "a pinned secure_seed copied into the run name or another config string "
+           "reaches MLflow", "workbench/tracking/redaction.py",
+           'text = re.sub(rf"(?<!\\d){abs(int(secret))}(?!\\d)", "<redacted>", text)', "pass",
+           ("tests/test_tracking_redaction.py::test_a_pinned_seed_is_redacted_from_every_text_of_the_config_and_kept_out_"
+            "of_hydra_folder_names",)),
     Mutant("bandmf-parts-ignored", "cyclic Poisson samples part 0 at every step: examples take part more often than "
            "once every b steps, as accounted", "workbench/privacy/cyclic.py", "k = step % self.num_bands", "k = 0",
            ("tests/test_bandmf.py::test_cyclic_poisson_takes_each_example_at_most_once_every_b_steps_at_rate_p[1]",)),

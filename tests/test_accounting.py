@@ -308,15 +308,8 @@ def test_epsilon_schedule_gives_every_logging_step_its_own_epsilon():
     assert steps == [10, 20, 30, 40, 50, 57]
     schedule = privacy.EpsilonSchedule(privacy.Accountant("pld", q, sigma), DELTA, steps)
     values = [schedule.get(s) for s in steps]  # waits for each
-    fine = [direct_poisson_pld(q, sigma, s, DELTA, privacy.DEFAULT_PLD_DISCRETIZATION) for s in steps]
-    assert values[-1] == pytest.approx(fine[-1], rel=REL)  # the last line: the run's reported epsilon
-    # The lines before: a fresh composition on the grid the schedule chose for them (coarser, pessimistic), never
-    # above the last, within LINE_SLACK of the run's own grid.
-    grid = schedule.lines_accountant(values[-1]).pld_discretization
-    assert grid / privacy.DEFAULT_PLD_DISCRETIZATION in (1, 2, 4, 8, 16)
-    assert values[:-1] == pytest.approx([min(direct_poisson_pld(q, sigma, s, DELTA, grid), fine[-1])
-                                         for s in steps[:-1]], rel=REL)
-    assert values == pytest.approx(fine, rel=0.01)
+    assert values == pytest.approx([direct_poisson_pld(q, sigma, s, DELTA, privacy.DEFAULT_PLD_DISCRETIZATION)
+                                    for s in steps], rel=REL)  # a short schedule: a fresh computation on every line
     assert values == sorted(values)
     assert schedule.latest(35) == (30, values[2]) and schedule.latest(57) == (57, values[-1])
     assert schedule.latest(5) is None
@@ -359,13 +352,13 @@ def test_a_long_schedule_composes_at_most_exact_lines_times_and_never_under_repo
 
 
 def test_the_lines_grid_is_the_coarsest_within_the_slack_at_the_last_step_and_bounds_dp_accounting():
-    """The lines before the last are composed on a coarser PLD grid only where that costs at most LINE_SLACK at the last
-    step (large epsilon: the grid's looseness is small against it); at small epsilon (the looseness is an absolute
+    """A long schedule's lines before the last are composed on a coarser PLD grid only where that costs at most
+    LINE_SLACK at the last step (large epsilon: the grid's looseness is small against it); at small epsilon (the looseness is an absolute
     amount) the run's own grid is kept. Every line stays an upper bound: checked against dp_accounting's PLD on a fine
     grid, and its RDP."""
     from workbench.privacy.accounting.accountant import LINE_SLACK, EpsilonSchedule
 
-    for q, sigma, every, lines, coarse in ((0.05, 1.0, 10, 200, True), (1e-3, 1.37, 500, 20, False)):
+    for q, sigma, every, lines, coarse in ((0.05, 1.0, 10, 200, True), (1e-3, 1.37, 200, 70, False)):
         steps = list(range(every, every * lines + 1, every))
         ledger = privacy.Accountant("pld", q, sigma)
         schedule = EpsilonSchedule(ledger, DELTA, steps)

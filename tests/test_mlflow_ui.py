@@ -63,6 +63,7 @@ def test_a_cli_job_shows_in_mlflow_as_model_training_with_its_model_data_and_sys
     epsilon = run.data.metrics["epsilon"]
     assert float(logged.tags["workbench.epsilon"]) == pytest.approx(epsilon)
     assert logged.tags["workbench.privacy_unit"] == "example" and logged.tags["workbench.accountant"] == "pld"
+    assert logged.tags["workbench.mechanism"] == "dpsgd"  # what its sample_rate is the rate of
     assert float(logged.tags["workbench.delta"]) == run.data.metrics["delta"]
     assert logged.source_run_id == run.info.run_id and logged.experiment_id == experiment.experiment_id
     (version,) = client.search_model_versions("name='digits-dp'")

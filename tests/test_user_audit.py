@@ -90,7 +90,7 @@ def test_mapping_examples_keep_a_one_line_refusal():
 
 
 @pytest.mark.parametrize("overrides, says", [
-    (["privacy.mechanism=bandmf"], "supports privacy.unit=example only"),
+    (["privacy.mechanism=bandmf"], "does not support audit=canaries with privacy.mechanism=bandmf"),
     (["privacy.clipping=adaptive"], "privacy.clipping=adaptive"),
 ])
 def test_unsupported_user_level_audits_are_refused_in_one_line(make_cfg, overrides, says):

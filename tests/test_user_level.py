@@ -244,6 +244,14 @@ def test_bad_user_level_settings_are_one_line_refusals_before_any_work(make_cfg,
         assert not Path(cfg.output_dir).exists()
 
 
+@pytest.mark.parametrize("missing", [None, float("nan"), torch.tensor(float("nan")), np.float64("nan")])
+def test_an_example_without_a_user_id_is_refused_in_one_line(missing):
+    """None would merge every example without an id into one user, NaN make each its own: neither is a person."""
+    with pytest.raises(WorkbenchError, match="an example has no user id") as e:
+        index_users([1, 2, missing, 2], cap=2, seed=0)
+    assert "\n" not in str(e.value)
+
+
 def test_mapping_examples_give_their_user_by_field_and_the_model_never_sees_it():
     class Rows(torch.utils.data.Dataset):
         def __len__(self):

@@ -342,7 +342,8 @@ def _log_model(cfg: DictConfig, tracker, model: nn.Module, plan, epsilon: float 
     if plan.private:
         privacy_meta.update(epsilon=epsilon, delta=plan.delta, accountant=cfg.privacy.accountant,
                             noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate,
-                            max_grad_norm=plan.max_grad_norm)
+                            max_grad_norm=plan.max_grad_norm, mechanism=plan.kind,
+                            **({"num_bands": plan.num_bands} if plan.kind == "bandmf" else {}))  # its rate is in-band
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.pt"
         try:

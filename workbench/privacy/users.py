@@ -79,9 +79,14 @@ def _key(user: Any) -> Any:
         if user.numel() != 1:
             raise WorkbenchError(f"data.user_key: a user id must be one value (an int or a string), got a tensor of "
                                  f"shape {tuple(user.shape)}")
-        return user.item()
+        user = user.item()
     if isinstance(user, np.generic):
-        return user.item()
+        user = user.item()
+    # A missing id is no user: None would merge every such example into one user, NaN (never equal to itself) make
+    # each its own; either breaks the bound on what one person contributes.
+    if user is None or (isinstance(user, float) and user != user):
+        raise WorkbenchError(f"data.user_key: an example has no user id ({user!r}); give every example its user, or "
+                             "drop the examples without one")
     try:
         hash(user)
     except TypeError:

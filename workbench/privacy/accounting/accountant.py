@@ -226,12 +226,13 @@ class EpsilonSchedule:
     training thread never waits for a PLD composition. Every value is an upper bound, never an under-report:
 
     - the last line: the accountant's own ``epsilon(last, delta)``, equal to the reported final epsilon; computed first;
-    - the lines before it: composed at ``exact_steps`` (all of them up to ``EXACT_LINES`` lines), each line taking the
-      value of the next composed step, on a coarser PLD grid (pessimistic rounding: still an upper bound) when one is
-      within ``LINE_SLACK`` of the run's grid at the last step: the coarsest of ``COARSER`` that is, checked there,
-      where the grid's looseness is largest. A composition's cost falls about as fast as the grid coarsens, so a long
-      run's dense logging costs a few percent of its training instead of a sixth (benchmarks/logging_cost.py). No line
-      exceeds the last (epsilon grows with the steps: the last value bounds every earlier step too).
+    - up to ``EXACT_LINES`` lines: every line the accountant's own ``epsilon(step, delta)``;
+    - a longer schedule: composed at ``exact_steps``, each line taking the value of the next composed step, on a
+      coarser PLD grid (pessimistic rounding: still an upper bound) when one is within ``LINE_SLACK`` of the run's
+      grid at the last step: the coarsest of ``COARSER`` that is, checked there, where the grid's looseness is
+      largest. A composition's cost falls about as fast as the grid coarsens, so a long run's dense logging costs a
+      few percent of its training instead of a sixth (benchmarks/logging_cost.py). No line exceeds the last (epsilon
+      grows with the steps: the last value bounds every earlier step too).
     """
 
     def __init__(self, accountant: "Accountant", delta: float, steps):
@@ -250,8 +251,8 @@ class EpsilonSchedule:
     def lines_accountant(self, last_value: float) -> "Accountant":
         """The accountant of the lines before the last: the same mechanism on the coarsest grid of ``COARSER`` within
         ``LINE_SLACK`` of ``last_value`` at the last step; the run's own when none is, or when it has no PLD grid."""
-        if getattr(self.accountant, "kind", None) != "pld" or len(self.exact) < 2:
-            return self.accountant
+        if getattr(self.accountant, "kind", None) != "pld" or len(self.steps) <= EXACT_LINES:
+            return self.accountant  # a short schedule: every line the accountant's own, as a fresh computation gives
         for factor in COARSER:
             coarse = self.accountant.coarser(factor)
             if coarse.epsilon(self.exact[-1], self.delta, on_disk=True) <= last_value * (1 + LINE_SLACK):
