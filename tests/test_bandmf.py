@@ -202,18 +202,23 @@ def test_bandmf_epsilon_agrees_with_jax_privacy():
 # --- the run ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, message", [
-    (["privacy.mechanism=blt"], "privacy.mechanism=blt is not built yet"),
     (["privacy.mechanism=fancy"], "privacy.mechanism='fancy' is unknown"),
     (["privacy.mechanism=bandmf", "shard=global"], "supports ddp_shard=per_rank only"),
     (["privacy.mechanism=bandmf", "privacy.clipping=adaptive"], "supports privacy.clipping=fixed only"),
     (["privacy.mechanism=bandmf", "audit=canaries"], "cannot audit privacy.mechanism=bandmf"),
     (["privacy.mechanism=bandmf", "privacy.num_bands=0"], "privacy.num_bands must be"),
+    (["privacy.mechanism=blt", "shard=global"], "blt supports ddp_shard=per_rank only"),
+    (["privacy.mechanism=blt", "privacy.clipping=adaptive"], "blt supports privacy.clipping=fixed only"),
+    (["privacy.mechanism=blt", "privacy.blt_buffers=0"], "privacy.blt_buffers"),
 ])
 def test_what_is_not_built_or_accounted_is_refused_in_one_line(make_cfg, overrides, message):
     from workbench import config
+    from workbench.privacy.mechanism import check_settings
 
-    with pytest.raises(WorkbenchError, match=message) as e:
-        config.validate(make_cfg(*overrides))
+    with pytest.raises(WorkbenchError, match=message) as e:  # as the entry points ask, before any work
+        cfg = make_cfg(*overrides)
+        config.validate(cfg)
+        check_settings(cfg)
     assert "\n" not in str(e.value)
 
 
