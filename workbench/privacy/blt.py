@@ -3,9 +3,10 @@ near-optimal noise generation for streaming differential privacy"; McMahan et al
 ``matrix_factorization/buffered_toeplitz.py`` is the reference this mirrors in numpy, checked in tests/test_blt.py).
 
 The strategy. C is lower-triangular Toeplitz with c_0 = 1 and c_j = sum_i s_i theta_i^(j-1) for j >= 1 (d buffers:
-``buf_decay`` theta, ``output_scale`` s). Its inverse is again a BLT (:meth:`BLT.inverse`), so step t's noise
-(C^{-1} z)_t is x_t = z_t - sum_i s'_i u_i, then u_i <- theta'_i u_i + x_t: d buffers of the model's size
-(correlated.py's BLTNoise), O(d x model) memory, whatever the number of steps.
+``buf_decay`` theta, ``output_scale`` s). Step t's noise (C^{-1} z)_t solves C x = z forward: x_t = z_t -
+sum_i s_i u_i, then u_i <- theta_i u_i + x_t: d buffers of the model's size (correlated.py's BLTNoise), O(d x
+model) memory, whatever the number of steps. C^{-1} is again a BLT (:meth:`BLT.inverse`): the error computation
+uses its coefficients.
 
 The strategy used (:func:`strategy`) is the rational approximation of (1 - x)^(-1/2) of d buffers (jax_privacy's
 ``from_rational_approx_to_sqrt_x`` with ``get_init_blt``'s limits, Proposition 4.5 of arXiv:2404.16706), then, when

@@ -26,7 +26,7 @@ ring is secret (with it the past updates' noise could be subtracted): it goes in
 never to MLflow (run.py's PRIVATE_STATE). With b = 1 the noise is DP-SGD's, bit for bit.
 
 BLT (``privacy.mechanism=blt``; the strategy, its sensitivity and its participation are blt.py's) adds, with
-:class:`BLTNoise`, sigma C_clip (C^{-1} Z)_t from the same secret stream by the inverse BLT's recursion over d
+:class:`BLTNoise`, sigma C_clip (C^{-1} Z)_t from the same secret stream by a forward solve of C x = z over d
 buffers (O(d x model), checkpointed and secret like the ring). :func:`correlated_noise` picks one of the two.
 """
 
@@ -175,15 +175,15 @@ class BandedNoise:
 
 
 class BLTNoise:
-    """Adds sigma C_clip (C^{-1} Z)_t to the flat update on rank 0, C the BLT ``blt`` (blt.py): x_t = z_t -
-    sum_i s'_i u_i, then u_i <- theta'_i u_i + x_t with (theta', s') the inverse's parameters. Same interface and
-    step-order rule as BandedNoise; its d buffers are the checkpoint's secret ``correlated_noise``."""
+    """Adds sigma C_clip (C^{-1} Z)_t to the flat update on rank 0, C the BLT ``blt`` (blt.py), by solving C x = z
+    forward with C's own parameters (Algorithm 3 of arXiv:2408.08868): x_t = z_t - sum_i s_i u_i, then
+    u_i <- theta_i u_i + x_t, so u_i = sum_{j<t} theta_i^(t-1-j) x_j. Same interface and step-order rule as
+    BandedNoise; its d buffers are the checkpoint's secret ``correlated_noise``."""
 
     def __init__(self, blt: BLT, noise_multiplier: float, max_grad_norm: float, numel: int, rank: int,
                  device: torch.device | str = "cpu", seed: int = 0, dtype: torch.dtype = torch.float32):
         self.blt = check_blt(blt.buf_decay, blt.output_scale, len(blt.buf_decay))
-        inverse = self.blt.inverse()
-        self.decay, self.scale = inverse.buf_decay, inverse.output_scale
+        self.decay, self.scale = self.blt.buf_decay, self.blt.output_scale
         self.sigma, self.clip, self.numel, self.rank, self.seed = noise_multiplier, max_grad_norm, numel, rank, seed
         self.adds = self.sigma > 0 and self.rank == 0
         size = numel if self.adds else 0
@@ -203,7 +203,7 @@ class BLTNoise:
             raise WorkbenchError(f"blt noise asked for step {step} but its buffers are at step {self.next_step}")
         g = step_generator(self.seed, 0, step, stream=NOISE_STREAM, device=update.device)
         x = torch.randn(self.numel, generator=g, device=update.device, out=self._draw)
-        for i, s in enumerate(self.scale):  # x_t = z_t - sum_i s'_i u_i (the buffers hold x_0..x_{t-1}'s decayed sums)
+        for i, s in enumerate(self.scale):  # x_t = z_t - (C's row t below the diagonal) . x_{<t}
             x.sub_(self.buffers[i], alpha=s)
         for i, theta in enumerate(self.decay):
             self.buffers[i].mul_(theta).add_(x)
