@@ -64,7 +64,7 @@ def test_the_blt_its_inverse_sensitivity_loss_and_epsilon_agree_with_jax_privacy
     python = _oracle_python()
     assert python is not None, "WORKBENCH_REQUIRE_ORACLE is set but .venv-oracle is missing: run `make oracle`"
     optimised = strategy(3, 60, 8)
-    cases = [(4, SOME, 50, 7), (3, optimised, 60, 8), (2, rational_sqrt(2), 200, 13)]
+    cases = [(4, SOME, 50, 7), (3, optimised, 60, 8)]  # two: jax's import and jit are most of a minute
     proc = subprocess.run([str(python), "-c", ORACLE, json.dumps(
         [(d, list(b.buf_decay), list(b.output_scale), n, k) for d, b, n, k in cases])], capture_output=True,
         text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
