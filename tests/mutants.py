@@ -163,7 +163,7 @@ MUTANTS = (
            "every k-th as accounted", "workbench/privacy/cyclic.py", "k = step % self.parts", "k = 0",
            ("tests/test_blt.py::test_fixed_batches_take_each_example_exactly_at_the_steps_of_its_part[1]",)),
     Mutant("budget-stop-ignored", "a run with fixed sigma takes all planned steps past target_epsilon",
-           "workbench/privacy/mechanism.py", "            steps = budget\n", "            pass\n",
+           "workbench/privacy/mechanism.py", "        steps = budget\n", "        pass\n",
            ("tests/test_mechanism.py::test_a_run_with_fixed_noise_stops_at_the_budget",)),
     Mutant("published-model-carries-the-last-batch", "the MLflow model is the trained module itself, with the last "
            "batch's per-example gradients and activations on it", "workbench/run.py",

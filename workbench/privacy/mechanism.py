@@ -146,17 +146,7 @@ def plan(p: Any, shard: Shard, shard_mode: str, world_size: int, steps: int) -> 
         delta=delta, world_size=world_size, shard=shard_mode, code=code_version())
     accountant = BandMFAccountant(p.accountant, shard.sample_rate, sigma, bands, world_size, shard_mode) \
         if kind == "bandmf" else Accountant(p.accountant, shard.sample_rate, sigma, world_size, shard_mode)
-    if p.target_epsilon is not None:
-        budget = cache.cached("max_steps", lambda: accountant.max_steps(p.target_epsilon, delta, steps),
-                              accountant=accountant.state_dict(), target_epsilon=p.target_epsilon, delta=delta,
-                              upper=steps, code=code_version())
-        if budget == 0:
-            raise WorkbenchError(f"privacy.target_epsilon={p.target_epsilon} is exceeded by the first step at "
-                                 f"noise_multiplier={sigma}; raise the noise or the target")
-        if budget < steps:
-            notes.append(f"the run stops after {budget} of {steps} steps: one more would exceed "
-                         f"target_epsilon={p.target_epsilon}")
-            steps = budget
+    steps = _budget(p, accountant, delta, steps, notes)
     clip = clip_schedule(p, shard.expected_batch)
     clip.gradient_noise(sigma)  # refused here, before any run exists, when the count's noise is too small
     if kind == "bandmf":
@@ -184,22 +174,29 @@ def _plan_blt(p: Any, shard: Shard, shard_mode: str, world_size: int, steps: int
         kind=p.accountant, blt=[blt.buf_decay, blt.output_scale], min_sep=k, steps=steps,
         target_epsilon=p.target_epsilon, delta=delta, world_size=world_size, code=code_version())
     accountant = BLTAccountant(p.accountant, sigma, blt, k, steps, world_size, shard_mode)
-    if p.target_epsilon is not None:
-        budget = cache.cached("max_steps", lambda: accountant.max_steps(p.target_epsilon, delta, steps),
-                              accountant=accountant.state_dict(), target_epsilon=p.target_epsilon, delta=delta,
-                              upper=steps, code=code_version())
-        if budget == 0:
-            raise WorkbenchError(f"privacy.target_epsilon={p.target_epsilon} is exceeded by the first step at "
-                                 f"noise_multiplier={sigma}; raise the noise or the target")
-        if budget < steps:
-            notes.append(f"the run stops after {budget} of {steps} steps: one more would exceed "
-                         f"target_epsilon={p.target_epsilon}")
-            steps = budget
+    steps = _budget(p, accountant, delta, steps, notes)
     if shard.dropped:
         notes.append(f"privacy.mechanism=blt uses {shard.population} examples ({shard.dropped} dropped) so that each "
                      f"rank's shard splits into {k} fixed batches of {shard.expected_batch // world_size}")
     return Mechanism(shard, shard_mode, world_size, steps, p.max_grad_norm, sigma, delta, accountant, notes,
                      clip_schedule(p, shard.expected_batch), "blt", k, blt)
+
+
+def _budget(p: Any, accountant: Accountant, delta: float, steps: int, notes: list[str]) -> int:
+    """The planned steps cut to the last one within target_epsilon (the budget stop), said in ``notes``."""
+    if p.target_epsilon is None:
+        return steps
+    budget = cache.cached("max_steps", lambda: accountant.max_steps(p.target_epsilon, delta, steps),
+                          accountant=accountant.state_dict(), target_epsilon=p.target_epsilon, delta=delta,
+                          upper=steps, code=code_version())
+    if budget == 0:
+        raise WorkbenchError(f"privacy.target_epsilon={p.target_epsilon} is exceeded by the first step at "
+                             f"noise_multiplier={accountant.noise_multiplier}; raise the noise or the target")
+    if budget < steps:
+        notes.append(f"the run stops after {budget} of {steps} steps: one more would exceed "
+                     f"target_epsilon={p.target_epsilon}")
+        steps = budget
+    return steps
 
 
 def _blt_params(buffers: int, steps: int, min_sep: int) -> list[list[float]]:
