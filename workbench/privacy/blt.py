@@ -103,15 +103,16 @@ def sensitivity(blt: BLT, steps: int, min_sep: int) -> np.ndarray:
     return np.sqrt(np.cumsum(v * v)) * (1 + SENSITIVITY_MARGIN)
 
 
-def _prefix_error(blt: BLT, steps: int) -> float:
-    """The mean over t of ||row t of A C^{-1}||^2: A C^{-1} is Toeplitz with first column cumsum(inverse's coefs)."""
+def prefix_sum_error(blt: BLT, steps: int) -> float:
+    """||A C^{-1}||_F^2, A the T x T prefix-sum matrix: A C^{-1} is Toeplitz with first column cumsum(C^{-1}'s
+    coefficients), and row t's squared norm is the sum of that column's first t + 1 squares."""
     s = np.cumsum(blt.inverse().toeplitz_coefs(steps))
-    return float(np.mean(np.cumsum(s * s)))
+    return float(np.sum(np.cumsum(s * s)))
 
 
 def loss(blt: BLT, steps: int, min_sep: int) -> float:
     """Mean squared prefix-sum error at sensitivity 1 (``LossFn.build_min_sep(n, 'mean', min_sep)``'s loss)."""
-    return _prefix_error(blt, steps) * float(sensitivity(blt, steps, min_sep)[-1]) ** 2
+    return prefix_sum_error(blt, steps) / steps * float(sensitivity(blt, steps, min_sep)[-1]) ** 2
 
 
 def _valid(blt: BLT) -> bool:
