@@ -220,3 +220,29 @@ def test_a_blt_run_logs_the_direct_epsilon_resumes_bit_for_bit_and_keeps_its_buf
     published = checkpoint.load(next(Path(local).glob("*.pt")))
     assert "correlated_noise" not in published and "secret" not in published
     assert "correlated_noise" in checkpoint.load(whole.checkpoint)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_stay_identical_report_the_direct_epsilon_and_resume_bit_for_bit(tmp_path, monkeypatch):
+    """W = 2: batch t mod k of each rank's shard (k = 2048 / (2 x 64) = 16), noise from rank 0's buffers alone;
+    both ranks fail in step 11 and resume from rank 0's checkpoint 10 to where an uninterrupted W = 2 run ends."""
+    from tests.test_bandmf import _train_on_rank
+    from workbench import launch_distributed
+
+    args = ["disable_tqdm=true", "tracking.enabled=false", *QUICK, "data.train._target_=tests.plugins.FailingSynthetic",
+            "privacy.secure_seed=5"]
+    whole = launch_distributed(_train_on_rank, 2, [*args, f"output_dir={tmp_path / 'whole'}"])
+    (p0, eps0, q0, steps, sigma), (p1, eps1, q1, _, _) = whole
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1)) and eps0 == eps1 and q0 == q1 == 1 / 16
+    blt = strategy(3, 20, 16)  # the run's (T, k, d): the same parameters the run cached
+    assert eps0 == pytest.approx(direct_epsilon(sigma, dense_sensitivity(blt.materialize(steps), 16)), rel=1e-6)
+    crashed = tmp_path / "crashed"
+    monkeypatch.setenv("WB_FAIL_AT_FETCH", "13")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        launch_distributed(_train_on_rank, 2, [*args, f"output_dir={crashed}"])
+    monkeypatch.delenv("WB_FAIL_AT_FETCH")
+    assert checkpoint.list_checkpoints(crashed)[-1].name == "checkpoint-10.pt"
+    resumed = launch_distributed(_train_on_rank, 2, [*args, f"output_dir={crashed}", "resume_from_checkpoint=latest"])
+    for r in range(2):
+        assert resumed[r][3] == whole[r][3] == 20 and resumed[r][1] == whole[r][1]
+        assert all(torch.equal(a, b) for a, b in zip(resumed[r][0], whole[r][0]))
