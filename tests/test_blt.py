@@ -175,7 +175,7 @@ def test_blt_epsilon_is_the_gaussian_at_sigma_over_the_prefix_sensitivity(kind):
             assert acc.epsilon(t, DELTA) == pytest.approx(rdp.get_epsilon(DELTA), rel=1e-6)
     assert acc.max_steps(acc.epsilon(20, DELTA), DELTA, steps) == 20  # the budget stop reads the same curve
     fields = {"noise_multiplier": sigma, "world_size": 1, "shard": "per_rank", "mechanism": "blt", "min_sep": k,
-              "buf_decay": list(blt.buf_decay), "output_scale": list(blt.output_scale), "planned_steps": steps}
+              "buf_decay": list(blt.buf_decay), "output_scale": list(blt.output_scale), "strategy_steps": steps}
     assert accountant_of(fields, kind).epsilon(steps, DELTA) == acc.epsilon(steps, DELTA)  # what a sweep composes
     assert BLTAccountant.from_state_dict(acc.state_dict()).epsilon(steps, DELTA) == acc.epsilon(steps, DELTA)
     with pytest.raises(WorkbenchError, match="must keep its privacy mechanism"):
@@ -210,7 +210,7 @@ def test_a_blt_run_logs_the_direct_epsilon_resumes_bit_for_bit_and_keeps_its_buf
 
     client = MlflowClient(tracking_uri=mlflow_uri)
     event = json.loads(client.get_run(whole.run_id).data.tags["workbench.dp_event"])
-    assert event["mechanism"] == "blt" and event["min_sep"] == 32 and event["planned_steps"] == 20  # 2048 / 64
+    assert event["mechanism"] == "blt" and event["min_sep"] == 32 and event["strategy_steps"] == 20  # 2048 / 64
     blt = BLT(tuple(event["buf_decay"]), tuple(event["output_scale"]))
     assert whole.epsilon <= 3.0
     for m in client.get_metric_history(whole.run_id, "epsilon"):  # every logged line, from the dense matrix

@@ -116,7 +116,7 @@ class Mechanism:
             fields.update(mechanism="bandmf", num_bands=self.num_bands)
         if self.kind == "blt":  # the accountant's whole event: its BLT, k and the T its sensitivity was computed for
             fields.update(mechanism="blt", min_sep=a.min_sep, buf_decay=list(a.blt.buf_decay),
-                          output_scale=list(a.blt.output_scale), planned_steps=a.planned_steps)
+                          output_scale=list(a.blt.output_scale), strategy_steps=a.planned_steps)
         return fields
 
 

@@ -79,7 +79,7 @@ def accountant_of(fields: dict[str, Any], kind: str = "pld") -> Accountant:
         from workbench.privacy.accounting.blt import BLTAccountant, blt_of
 
         return BLTAccountant(kind, fields["noise_multiplier"], blt_of(fields), fields["min_sep"],
-                             fields["planned_steps"], fields["world_size"], fields["shard"])
+                             fields["strategy_steps"], fields["world_size"], fields["shard"])
     if fields.get("mechanism", "dpsgd") == "bandmf":
         return BandMFAccountant(kind, fields["sample_rate"], fields["noise_multiplier"], fields["num_bands"],
                                 fields["world_size"], fields["shard"])
