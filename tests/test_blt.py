@@ -246,3 +246,19 @@ def test_two_gloo_ranks_stay_identical_report_the_direct_epsilon_and_resume_bit_
     for r in range(2):
         assert resumed[r][3] == whole[r][3] == 20 and resumed[r][1] == whole[r][1]
         assert all(torch.equal(a, b) for a, b in zip(resumed[r][0], whole[r][0]))
+
+
+def test_blt_noise_is_the_same_whatever_the_clipping_route_micro_batches_or_precision(make_cfg):
+    """The correlated noise is drawn after clipping, at the step's one place: routes that clip alike (bk in one
+    physical batch, hooks in micro-batches of 16, bk under bf16 autocast) train to the same model up to rounding."""
+    from workbench import train
+
+    args = ["experiment=quick", "privacy.mechanism=blt", "privacy.blt_buffers=2", "max_steps=6",
+            "tracking.enabled=false", "privacy.secure_seed=8", "privacy.noise_multiplier=2.0"]
+    runs = [train(make_cfg(*args, *extra)) for extra in (["privacy.grad_sample_mode=bk"],
+                                                         ["privacy.grad_sample_mode=hooks", "max_physical_batch_size=16"],
+                                                         ["privacy.grad_sample_mode=bk", "bf16=true"])]
+    assert len({r.epsilon for r in runs}) == 1 and runs[0].steps == 6
+    for other, tol in ((runs[1], 1e-5), (runs[2], 1e-2)):  # bf16: ~1e-3 here; another noise draw: ~0.2
+        for a, b in zip(runs[0].model.parameters(), other.model.parameters()):
+            assert torch.allclose(a, b, atol=tol), (a - b).abs().max()
