@@ -262,3 +262,16 @@ def test_blt_noise_is_the_same_whatever_the_clipping_route_micro_batches_or_prec
     for other, tol in ((runs[1], 1e-5), (runs[2], 1e-2)):  # bf16: ~1e-3 here; another noise draw: ~0.2
         for a, b in zip(runs[0].model.parameters(), other.model.parameters()):
             assert torch.allclose(a, b, atol=tol), (a - b).abs().max()
+
+
+def test_a_sweep_of_blt_points_composes_each_distinct_mechanism():
+    """Two blt points with the same sigma but different k are different mechanisms: the best-of-K bound must take
+    the worse one, not whichever a (q, sigma) key kept."""
+    from workbench.privacy.accounting.tuning import profile_epsilon
+
+    blt = rational_sqrt(2)
+    loose, tight = BLTAccountant("pld", 6.0, blt, 2, 30), BLTAccountant("pld", 6.0, blt, 10, 30)
+    assert loose.epsilon(30, DELTA) > tight.epsilon(30, DELTA)
+    both = profile_epsilon([(loose, 30), (tight, 30)], DELTA, "poisson")
+    assert both >= profile_epsilon([(loose, 30)], DELTA, "poisson") > \
+        profile_epsilon([(tight, 30)], DELTA, "poisson")
