@@ -210,6 +210,7 @@ def test_bandmf_epsilon_agrees_with_jax_privacy():
     (["privacy.mechanism=blt", "shard=global"], "blt supports ddp_shard=per_rank only"),
     (["privacy.mechanism=blt", "privacy.clipping=adaptive"], "blt supports privacy.clipping=fixed only"),
     (["privacy.mechanism=blt", "privacy.blt_buffers=0"], "privacy.blt_buffers"),
+    (["privacy.mechanism=blt", "experiment=users"], "blt supports privacy.unit=example only"),
 ])
 def test_what_is_not_built_or_accounted_is_refused_in_one_line(make_cfg, overrides, message):
     from workbench import config
