@@ -1,4 +1,4 @@
-"""BandMF versus DP-SGD (issue 22's figure): eval accuracy at epsilon 1, 3 and 8 on the embedded default job, same
+"""BandMF and BLT versus DP-SGD (issue 22's figure): eval accuracy at epsilon 1, 3 and 8 on the embedded default job, same
 steps and batch, several seeds; and what generating the correlated noise costs per step.
 
     python -m benchmarks.bandmf [--quick] [--seeds N] [--text]   # writes benchmarks/bandmf.json, BANDMF.md and
@@ -12,7 +12,9 @@ Poisson samples part t mod b of the data at p = b B / N, which must be <= 1; on 
 multiple of b, B = 256) that allows b <= 5. More bands cancel more noise but raise p (b = 2: 0.36, b = 4: 0.71,
 b = 5: 0.89, against DP-SGD's 0.18), losing amplification by sampling; b = 4 is near the most the constraint allows,
 b = 2 the middle ground. Nothing else is tuned for BandMF (the learning rate is DP-SGD's): this is the same job with
-the other mechanism. Seeds 0 .. N-1 (``--seeds``, 3 by default), the noise from a fresh secret per run. ``--text``
+the other mechanism. BLT (``privacy.mechanism=blt``, d = 4 buffers, digits panel only) walks k = floor(N / B) = 5
+fixed batches (N_used = 1280) without amplification: every example takes part every 5th step, 34 times in 169
+steps, and its sigma is calibrated for that one Gaussian mechanism. Seeds 0 .. N-1 (``--seeds``, 3 by default), the noise from a fresh secret per run. ``--text``
 adds a second panel, the text_classifier preset (tiny BERT, 80 steps of B = 256 over 8000 synthetic sentences, b = 4:
 p = 0.128; needs the hf extra), DP-SGD and b = 4 only: about 30 s a run on 2 shared cores against the digits job's 5 s.
 ``--only text_classifier`` measures that panel alone and keeps the digits panel already in the json (how the
@@ -20,9 +22,9 @@ committed figure was made: the digits panel, then the text one apart; the noise 
 Accuracy is not speed: it does not depend on the machine's load.
 
 Noise cost. On one flat buffer of 2^20 float32 numbers (a ~1M-parameter model), the time of one step's ``add_`` of
-``GaussianNoise`` (DP-SGD: one draw) and of ``BandedNoise`` at b = 4 and b = 16 (one draw and b - 1 axpys against
-the ring), after the ring has filled, in interleaved timed blocks in one process (median of the blocks), and the
-memory each keeps between steps (its buffers' bytes: DP-SGD 1 x the model, BandMF b x the model).
+``GaussianNoise`` (DP-SGD: one draw), of ``BandedNoise`` at b = 4 and b = 16 (one draw and b - 1 axpys against
+the ring) and of ``BLTNoise`` at d = 4 (one draw, d axpys and d scale-and-adds), after the ring has filled, in interleaved timed blocks in one process (median of the blocks), and the
+memory each keeps between steps (its buffers' bytes: DP-SGD 1 x the model, BandMF b x, BLT d + 1 x the model).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from benchmarks.common import REPO, set_threads
 
 EPSILONS = (1.0, 3.0, 8.0)
 BANDS = (2, 4)
-MECHANISMS = ("dpsgd", *(f"bandmf b={b}" for b in BANDS))
+MECHANISMS = ("dpsgd", *(f"bandmf b={b}" for b in BANDS), "blt d=4")
 JOBS = {
     "digits": {"title": "default job (digits, MLP)", "overrides": ["max_steps=169"], "quick": ["max_steps=40"],
                "series": MECHANISMS},
@@ -57,6 +59,8 @@ JOBS = {
 def mechanism_overrides(mechanism: str) -> list[str]:
     if mechanism == "dpsgd":
         return []
+    if mechanism.startswith("blt"):
+        return ["privacy.mechanism=blt", f"privacy.blt_buffers={int(mechanism.split('=')[1])}"]
     return ["privacy.mechanism=bandmf", f"privacy.num_bands={int(mechanism.split('=')[1])}"]
 
 
@@ -69,7 +73,7 @@ def accuracy(job: str, quick: bool, seeds: int) -> dict:
             points = {m: [] for m in series}
             for seed in range(seeds):
                 for m in series if seed % 2 == 0 else tuple(reversed(series)):
-                    p = train_point(Path(tmp), f"{job}-{eps:g}-{m.replace(' b=', '-b')}-{seed}",
+                    p = train_point(Path(tmp), f"{job}-{eps:g}-{m.replace(' ', '-').replace('=', '')}-{seed}",
                                     [*base, f"privacy.target_epsilon={eps}", f"seed={seed}", *mechanism_overrides(m)])
                     p["sample_rate"] = p["logged"].get("sample_rate")
                     points[m].append(p)
@@ -88,12 +92,14 @@ def noise_cost(numel: int = 1 << 20, block: int = 20, repeats: int = 7) -> dict:
     """Per-step time and kept memory of the noise: DP-SGD's draw vs BandMF's at b = 4 and 16, interleaved."""
     import torch
 
-    from workbench.privacy.correlated import BandedNoise, strategy
+    from workbench.privacy.blt import rational_sqrt
+    from workbench.privacy.correlated import BandedNoise, BLTNoise, strategy
     from workbench.privacy.noise import GaussianNoise
 
     makers = {"dpsgd": lambda: GaussianNoise(1.0, 1.0, numel, rank=0, seed=1),
               "bandmf b=4": lambda: BandedNoise(strategy(4, 1000), 1.0, 1.0, numel, rank=0, seed=1),
-              "bandmf b=16": lambda: BandedNoise(strategy(16, 1000), 1.0, 1.0, numel, rank=0, seed=1)}
+              "bandmf b=16": lambda: BandedNoise(strategy(16, 1000), 1.0, 1.0, numel, rank=0, seed=1),
+              "blt d=4": lambda: BLTNoise(rational_sqrt(4), 1.0, 1.0, numel, rank=0, seed=1)}
     noises = {k: make() for k, make in makers.items()}
     update = torch.zeros(numel)
     steps = dict.fromkeys(noises, 0)
@@ -124,15 +130,21 @@ def workload_error_ratio(row: dict, mechanism: str) -> float:
     """sigma^2 ||A C^{-1}||_F^2 of this mechanism over DP-SGD's (C = I), at each one's calibrated sigma and the same
     steps: the total squared noise of all the iterates (the prefix sums) that the BandMF strategy minimises. Below 1,
     the correlation cancels more noise than the larger sigma adds."""
+    from workbench.privacy import blt
     from workbench.privacy.correlated import prefix_sum_error, strategy
 
-    steps, b = row["dpsgd"]["steps"], 1 if mechanism == "dpsgd" else int(mechanism.split("=")[1])
+    steps = row["dpsgd"]["steps"]
+    if mechanism.startswith("blt"):  # the run's own BLT: (T, k = 1 / its batch fraction, d)
+        c = blt.strategy(int(mechanism.split("=")[1]), steps, round(1 / row[mechanism]["sample_rate"]))
+        mine = row[mechanism]["noise_multiplier"] ** 2 * blt.prefix_sum_error(c, steps)
+        return mine / (row["dpsgd"]["noise_multiplier"] ** 2 * prefix_sum_error([1.0], steps))
+    b = 1 if mechanism == "dpsgd" else int(mechanism.split("=")[1])
     mine = row[mechanism]["noise_multiplier"] ** 2 * prefix_sum_error(strategy(b, steps), steps)
     return mine / (row["dpsgd"]["noise_multiplier"] ** 2 * prefix_sum_error([1.0], steps))
 
 
 def render(r: dict) -> str:
-    lines = ["# BandMF versus DP-SGD (`python -m benchmarks.bandmf`)", "", r["what"], "",
+    lines = ["# BandMF and BLT versus DP-SGD (`python -m benchmarks.bandmf`)", "", r["what"], "",
              f"Mode: {r['mode']}; measured {r['date']} in "
              f"{r['seconds']:.0f} s. ![figure](../docs/bandmf_vs_dpsgd.png)", ""]
     for job, j in r["jobs"].items():

@@ -174,8 +174,20 @@ MUTANTS = (
            'PRIVATE_STATE = ("secret", "privacy_digest", "correlated_noise", "audit")',
            'PRIVATE_STATE = ("secret", "privacy_digest", "correlated_noise")',
            ("tests/test_audit.py::test_a_crashed_bandmf_audit_resumes_to_the_uninterrupted_audit_below_its_epsilon",)),
+    Mutant("blt-sensitivity-one-participation", "blt's sensitivity counts one participation per example, not every "
+           "k-th step's: epsilon under-reported", "workbench/privacy/blt.py",
+           "        v[start:start + min_sep] += v[start - min_sep:start - min_sep + len(v[start:start + min_sep])]",
+           "        pass",
+           ("tests/test_blt.py::test_the_sensitivity_of_every_prefix_is_the_worst_part_of_the_dense_matrix",)),
+    Mutant("blt-noise-uncorrelated", "blt's noise forgets its buffers: not C^-1 Z, so not the accounted mechanism",
+           "workbench/privacy/correlated.py", "x.sub_(self.buffers[i], alpha=s)", "pass",
+           ("tests/test_blt.py::test_the_noise_is_sigma_clip_c_inverse_z_computed_densely_and_keeps_d_plus_one_model_"
+            "vectors",)),
+    Mutant("blt-batches-not-cyclic", "blt's sampler takes batch 0 at every step: examples take part every step, not "
+           "every k-th as accounted", "workbench/privacy/cyclic.py", "k = step % self.parts", "k = 0",
+           ("tests/test_blt.py::test_fixed_batches_take_each_example_exactly_at_the_steps_of_its_part[1]",)),
     Mutant("budget-stop-ignored", "a run with fixed sigma takes all planned steps past target_epsilon",
-           "workbench/privacy/mechanism.py", "            steps = budget\n", "            pass\n",
+           "workbench/privacy/mechanism.py", "        steps = budget\n", "        pass\n",
            ("tests/test_mechanism.py::test_a_run_with_fixed_noise_stops_at_the_budget",)),
     Mutant("published-model-carries-the-last-batch", "the MLflow model is the trained module itself, with the last "
            "batch's per-example gradients and activations on it", "workbench/run.py",

@@ -202,17 +202,23 @@ def test_bandmf_epsilon_agrees_with_jax_privacy():
 # --- the run ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, message", [
-    (["privacy.mechanism=blt"], "privacy.mechanism=blt is not built yet"),
     (["privacy.mechanism=fancy"], "privacy.mechanism='fancy' is unknown"),
     (["privacy.mechanism=bandmf", "shard=global"], "supports ddp_shard=per_rank only"),
     (["privacy.mechanism=bandmf", "privacy.clipping=adaptive"], "supports privacy.clipping=fixed only"),
     (["privacy.mechanism=bandmf", "privacy.num_bands=0"], "privacy.num_bands must be"),
+    (["privacy.mechanism=blt", "shard=global"], "blt supports ddp_shard=per_rank only"),
+    (["privacy.mechanism=blt", "privacy.clipping=adaptive"], "blt supports privacy.clipping=fixed only"),
+    (["privacy.mechanism=blt", "privacy.blt_buffers=0"], "privacy.blt_buffers"),
+    (["privacy.mechanism=blt", "experiment=users"], "blt supports privacy.unit=example only"),
 ])
 def test_what_is_not_built_or_accounted_is_refused_in_one_line(make_cfg, overrides, message):
     from workbench import config
+    from workbench.privacy.mechanism import check_settings
 
-    with pytest.raises(WorkbenchError, match=message) as e:
-        config.validate(make_cfg(*overrides))
+    with pytest.raises(WorkbenchError, match=message) as e:  # as the entry points ask, before any work
+        cfg = make_cfg(*overrides)
+        config.validate(cfg)
+        check_settings(cfg)
     assert "\n" not in str(e.value)
 
 
@@ -327,11 +333,12 @@ def test_two_gloo_ranks_resume_bit_for_bit(tmp_path, monkeypatch):
 
 
 def test_the_benchmark_noise_row_keeps_b_times_the_model_and_adds_the_noise_it_times():
-    """benchmarks/bandmf.py's noise row: what it reports kept is 1x, 4x and 16x the buffer (no timing asserted)."""
+    """benchmarks/bandmf.py's noise row: what it reports kept is 1x, 4x, 16x and (blt, d = 4) 5x the buffer (no timing
+    asserted)."""
     from benchmarks.bandmf import noise_cost
 
     row = noise_cost(numel=4096, block=2, repeats=1)["rows"]
     assert {k: v["bytes_kept"] for k, v in row.items()} == {"dpsgd": 4096 * 4, "bandmf b=4": 4 * 4096 * 4,
-                                                            "bandmf b=16": 16 * 4096 * 4}
-    assert [v["memory_ratio_to_dpsgd"] for v in row.values()] == [1, 4, 16]
+                                                            "bandmf b=16": 16 * 4096 * 4, "blt d=4": 5 * 4096 * 4}
+    assert [v["memory_ratio_to_dpsgd"] for v in row.values()] == [1, 4, 16, 5]
     assert row["dpsgd"]["time_ratio_to_dpsgd"] == 1 and all(v["ms_per_step"] > 0 for v in row.values())

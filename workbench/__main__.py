@@ -156,6 +156,8 @@ def check_args(argv: Sequence[str]) -> list[DictConfig]:
     for point in points:
         cfg = compose(point)
         config.validate(cfg)
+        from workbench.privacy.mechanism import check_settings  # torch: imported once the config is read
+        check_settings(cfg)
         configs.append(cfg)
     return configs
 

@@ -241,7 +241,7 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
         print(step_fn.mode_note, flush=True)
     if wants_noise and plan.strategy is not None:  # its std is not sigma C / B: (C^-1 C^-T)_tt varies with t
         raise WorkbenchError(f"optimizer {cfg.optimizer.get('_target_')} corrects for independent noise of std sigma C / B; "
-                             "privacy.mechanism=bandmf's noise is correlated: use optimizer=sgd or torch.optim.AdamW")
+                             f"privacy.mechanism={plan.kind}'s noise is correlated: use optimizer=sgd or torch.optim.AdamW")
     # An optimizer that corrects for the noise (workbench/optim.py) is told its std per coordinate: sigma C / B.
     noise = {"noise_std": plan.noise_multiplier * plan.max_grad_norm / plan.expected_batch} if wants_noise else {}
     optimizer = make_optimizer(step_fn.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, **noise)

@@ -47,6 +47,8 @@ def hydra_context(cfg: DictConfig) -> None:
 
 def launch(cfg: DictConfig) -> Any:
     config.validate(cfg)
+    from workbench.privacy.mechanism import check_settings  # torch: imported once the config is read
+    check_settings(cfg)
     hydra_context(cfg)
     if cfg.launcher.name == "inline":
         from workbench.run import train

@@ -93,6 +93,8 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: l
     called once the job has ended, however it ended, where it made an MLflow run (rank 0); what launches the job
     passes it (a sweep's point summarises its sweep, workbench/sweep/), so the job never imports the layers above."""
     config.validate(cfg)
+    from workbench.privacy.mechanism import check_settings  # torch: imported once the config is read
+    check_settings(cfg)
     with signals_interrupt():
         return _train(cfg, compute_metrics, callbacks, on_end)
 

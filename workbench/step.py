@@ -27,7 +27,7 @@ from workbench.errors import WorkbenchError
 from workbench.models.losses import logits_of
 from workbench.privacy import clipping
 from workbench.privacy.clipping.adaptive import AdaptiveClip, FixedClip
-from workbench.privacy.correlated import BandedNoise
+from workbench.privacy.correlated import correlated_noise
 from workbench.privacy.noise import CountNoise, GaussianNoise
 
 # Opacus' hooks trigger this on every backward of a model whose inputs need no grad: expected, not actionable.
@@ -49,7 +49,7 @@ class GradientStep:
     ``clip_schedule``: C's schedule (None: fixed ``max_grad_norm``); with an adaptive one, ``noise_multiplier`` is
     the gradient's raised sigma_g (Mechanism.gradient_noise_multiplier) and the schedule's sigma_b noises the count.
 
-    ``noise_strategy``: BandMF's coefficients (Mechanism.strategy): the noise is correlated across steps
+    ``noise_strategy``: BandMF's coefficients or a BLT (Mechanism.strategy): the noise is correlated across steps
     (workbench/privacy/correlated.py), drawn and added at the same place; None: DP-SGD's independent noise.
     """
 
@@ -57,7 +57,7 @@ class GradientStep:
                  noise_multiplier: float, grad_sample_mode: str = "hooks", max_physical_batch_size: int = 512,
                  noise_seed: int = 0, autocast_dtype: torch.dtype | None = None, loss_scale: float | None = None,
                  clip_schedule: FixedClip | AdaptiveClip | None = None,
-                 noise_strategy: tuple[float, ...] | None = None):
+                 noise_strategy: Any = None):
         self.dist, self.criterion, self.autocast_dtype = dist, criterion, autocast_dtype
         # fp16's narrow range needs the loss scaled (bf16 has float32's exponent range and needs none); see _losses
         self.scale = float(loss_scale if loss_scale is not None else
@@ -108,7 +108,7 @@ class GradientStep:
         self.noise = GaussianNoise(noise_multiplier, max_grad_norm, numel, dist.rank, device, noise_seed) \
             if self.private and noise_strategy is None else None
         if self.private and noise_strategy is not None:
-            self.noise = BandedNoise(noise_strategy, noise_multiplier, max_grad_norm, numel, dist.rank, device,
+            self.noise = correlated_noise(noise_strategy, noise_multiplier, max_grad_norm, numel, dist.rank, device,
                                      noise_seed, self.flat.dtype)
         self.unclipped = self.flat[numel + 2] if adaptive else None  # sum of 1[not scaled down] - 1/2, then noised
         self.count_noise = CountNoise(self.clip_schedule.count_noise, dist.rank, noise_seed) if adaptive else None

@@ -5,8 +5,11 @@ Where each part of DP-SGD lives:
 - sampling.py     which examples a rank may draw (shard modes), the secret streams, the Poisson batch sampler
 - clipping/       per-example gradients clipped to C, with the floating-point bound (clipping/bound.py)
 - noise.py        the Gaussian noise: sigma C, added by rank 0 alone, once per logical step
-- correlated.py   privacy.mechanism=bandmf: the banded Toeplitz strategy and its correlated noise (an O(b x model) ring)
-- cyclic.py       bandmf's cyclic Poisson sampling: each rank's shard in b parts, part t mod b drawn at step t
+- correlated.py   privacy.mechanism=bandmf: the banded Toeplitz strategy and its correlated noise (an O(b x model) ring);
+                  blt's noise (BLTNoise, d buffers)
+- blt.py          privacy.mechanism=blt: the Buffered Linear Toeplitz strategy, its inverse, its sensitivity
+- cyclic.py       bandmf's cyclic Poisson sampling: each rank's shard in b parts, part t mod b drawn at step t; blt's
+                  fixed batches (k secret parts of exactly B / W, part t mod k at step t)
 - accounting/     the DP event, the accountants (PLD, RDP, PRV), noise calibration, composition across runs
 - auditing/       the one-run lower bound on epsilon and its canaries
 - mechanism.py    :class:`Mechanism`: the one object a run is built from. It holds the sampler's shard and rate, C,

@@ -24,6 +24,10 @@ w_t = (z_t - sum_{j=1}^{b-1} c_j w_{t-j}) / c_0, on rank 0 alone, before the ste
 of the last b-1 w's plus one draw, b x (the trainable parameters' count) numbers in their dtype: O(b x model). The
 ring is secret (with it the past updates' noise could be subtracted): it goes into the run folder's checkpoint,
 never to MLflow (run.py's PRIVATE_STATE). With b = 1 the noise is DP-SGD's, bit for bit.
+
+BLT (``privacy.mechanism=blt``; the strategy, its sensitivity and its participation are blt.py's) adds, with
+:class:`BLTNoise`, sigma C_clip (C^{-1} Z)_t from the same secret stream by a forward solve of C x = z over d
+buffers (O(d x model), checkpointed and secret like the ring). :func:`correlated_noise` picks one of the two.
 """
 
 from __future__ import annotations
@@ -35,10 +39,10 @@ import numpy as np
 import torch
 
 from workbench.errors import WorkbenchError
+from workbench.privacy.blt import BLT, check_blt
 from workbench.privacy.sampling import NOISE_STREAM, step_generator
 
 MECHANISMS = ("dpsgd", "bandmf", "blt")
-BUILT = ("dpsgd", "bandmf")
 
 
 def sqrt_coefficients(num_bands: int) -> np.ndarray:
@@ -168,3 +172,67 @@ class BandedNoise:
         self.c = c  # the ones the run started with (an optimiser elsewhere may differ in the last bits)
         self.ring.copy_(ring.to(self.ring.device, self.ring.dtype))
         self.next_step = step
+
+
+class BLTNoise:
+    """Adds sigma C_clip (C^{-1} Z)_t to the flat update on rank 0, C the BLT ``blt`` (blt.py), by solving C x = z
+    forward with C's own parameters (Algorithm 3 of arXiv:2408.08868): x_t = z_t - sum_i s_i u_i, then
+    u_i <- theta_i u_i + x_t, so u_i = sum_{j<t} theta_i^(t-1-j) x_j. Same interface and step-order rule as
+    BandedNoise; its d buffers are the checkpoint's secret ``correlated_noise``."""
+
+    def __init__(self, blt: BLT, noise_multiplier: float, max_grad_norm: float, numel: int, rank: int,
+                 device: torch.device | str = "cpu", seed: int = 0, dtype: torch.dtype = torch.float32):
+        self.blt = check_blt(blt.buf_decay, blt.output_scale, len(blt.buf_decay))
+        self.decay, self.scale = self.blt.buf_decay, self.blt.output_scale
+        self.sigma, self.clip, self.numel, self.rank, self.seed = noise_multiplier, max_grad_norm, numel, rank, seed
+        self.adds = self.sigma > 0 and self.rank == 0
+        size = numel if self.adds else 0
+        self._draw = torch.empty(size, device=device, dtype=dtype)
+        self.buffers = torch.zeros(len(self.decay), size, device=device, dtype=dtype)
+        self.next_step = 0
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the noise keeps between steps and draws into: (d + 1) x numel elements."""
+        return (self.buffers.numel() + self._draw.numel()) * self._draw.element_size()
+
+    def add_(self, update: torch.Tensor, step: int, scale: float = 1.0) -> None:
+        if not self.adds:
+            return
+        if step != self.next_step:
+            raise WorkbenchError(f"blt noise asked for step {step} but its buffers are at step {self.next_step}")
+        g = step_generator(self.seed, 0, step, stream=NOISE_STREAM, device=update.device)
+        x = torch.randn(self.numel, generator=g, device=update.device, out=self._draw)
+        for i, s in enumerate(self.scale):  # x_t = z_t - (C's row t below the diagonal) . x_{<t}
+            x.sub_(self.buffers[i], alpha=s)
+        for i, theta in enumerate(self.decay):
+            self.buffers[i].mul_(theta).add_(x)
+        self.next_step = step + 1
+        update.add_(x.mul_(self.sigma * self.clip * scale))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The buffers (secret), the next step and the BLT's parameters (public)."""
+        return {"buf_decay": list(self.blt.buf_decay), "output_scale": list(self.blt.output_scale),
+                "next_step": self.next_step, "buffers": self.buffers.detach().cpu().clone()}
+
+    def load_state_dict(self, state: dict[str, Any] | None, step: int) -> None:
+        """Continue at ``step`` from a checkpoint's ``correlated_noise`` (rank 0 needs it; the others ignore it)."""
+        if not self.adds:
+            self.next_step = step
+            return
+        if not state or "buffers" not in state:
+            raise WorkbenchError("the checkpoint has no blt noise buffers (written by another mechanism, or by a rank "
+                                 "that adds no noise); a blt run resumes only from its rank 0's checkpoint")
+        blt = check_blt(state["buf_decay"], state["output_scale"], len(self.decay))
+        buffers = state["buffers"]
+        if blt != self.blt or int(state["next_step"]) != step or tuple(buffers.shape) != tuple(self.buffers.shape):
+            raise WorkbenchError(f"the checkpoint's blt noise buffers (step {state['next_step']}, shape "
+                                 f"{tuple(buffers.shape)}, {blt}) do not fit step {step}, shape "
+                                 f"{tuple(self.buffers.shape)} and {self.blt}")
+        self.buffers.copy_(buffers.to(self.buffers.device, self.buffers.dtype))
+        self.next_step = step
+
+
+def correlated_noise(strategy: "tuple[float, ...] | BLT", *args, **kwargs) -> "BandedNoise | BLTNoise":
+    """The correlated noise of a Mechanism's ``strategy``: BLT parameters or bandmf's coefficients."""
+    return BLTNoise(strategy, *args, **kwargs) if isinstance(strategy, BLT) else BandedNoise(strategy, *args, **kwargs)

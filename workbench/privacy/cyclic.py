@@ -13,6 +13,14 @@ is cut to a multiple of b: N_used = W b floor(N / (W b)); the extra examples dro
 and said in the run's notes. p = b B / N_used must be <= 1, else the run is refused (fewer bands or a smaller batch).
 ``shard=global`` (every rank sampling all N) is refused for bandmf: its parallel-Poisson multiplicity inside a band is
 not analysed here.
+
+BLT (``privacy.mechanism=blt``, blt.py) takes part by fixed batches, without amplification: each rank's shard,
+permuted once by a secret permutation (the sampling stream's, so it is unknowable from the config), is cut into k
+parts of exactly the per-device batch (k = the batches per epoch; the tail, less than one batch per rank, is dropped
+and said in the notes), and step t takes part t mod k whole. An example takes part at steps s, s + k, s + 2k, ...:
+at most ceil(T / k) times, k steps apart, which is the min-separation pattern blt.py's sensitivity is computed for.
+The batch is public and fixed, B every step, so dividing by B is exact. ``shard=global`` is refused (every rank would
+walk all N: an example would be in W batches of a step).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from typing import Iterator
 import torch
 
 from workbench.errors import WorkbenchError
-from workbench.privacy.sampling import Shard, step_generator
+from workbench.privacy.sampling import PARTITION_STREAM, Shard, step_generator
 
 
 def banded_shard(shard: Shard, num_bands: int, world_size: int) -> Shard:
@@ -70,6 +78,45 @@ class CyclicPoissonBatchSampler:
         mask = torch.rand(self.part_size, generator=g) < self.shard.sample_rate
         part = self.part(step)
         return (mask.nonzero().squeeze(1) * self.num_bands + part.start).tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.start_step, self.steps):
+            yield self.indices_for_step(step)
+
+    def __len__(self) -> int:
+        return max(0, self.steps - self.start_step)
+
+
+def fixed_batch_shard(shard: Shard, world_size: int) -> Shard:
+    """``shard`` (per_rank) cut to k x (per-device batch) examples per rank; its rate is 1 / k (each step takes one of
+    its k parts, whole)."""
+    batch = shard.expected_batch // world_size
+    parts = len(shard.indices) // batch
+    if parts == 0:
+        raise WorkbenchError(f"privacy.mechanism=blt needs at least one full batch per rank: the per-device batch "
+                             f"{batch} is more than a rank's {len(shard.indices)} examples")
+    per_rank = parts * batch
+    rank = shard.indices.start // len(shard.indices)  # sampling.train_shard's per_rank shards: contiguous, equal
+    population = per_rank * world_size
+    return Shard(range(rank * per_rank, (rank + 1) * per_rank), population, 1 / parts,
+                 shard.dropped + shard.population - population, shard.expected_batch)
+
+
+class FixedBatchSampler:
+    """Yields, for each logical step in [start_step, steps), part (step mod k) of this rank's secretly permuted shard:
+    exactly the per-device batch, the same examples every k steps. Stateless per step (a resumed run walks the same
+    batches)."""
+
+    def __init__(self, shard: Shard, world_size: int, steps: int, seed: int, rank: int, start_step: int = 0):
+        self.batch = shard.expected_batch // world_size
+        self.parts = len(shard.indices) // self.batch
+        self.steps, self.start_step = steps, start_step
+        g = step_generator(seed, rank, 0, stream=PARTITION_STREAM)
+        self.order = (torch.randperm(len(shard.indices), generator=g) + shard.indices.start).tolist()
+
+    def indices_for_step(self, step: int) -> list[int]:
+        k = step % self.parts
+        return sorted(self.order[k * self.batch:(k + 1) * self.batch])
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.start_step, self.steps):

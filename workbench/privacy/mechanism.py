@@ -15,6 +15,11 @@ multiplier sigma.
 Correlated noise (``privacy.mechanism=bandmf``, correlated.py) is another: the shard recut into b cyclic parts and the
 in-band rate p (cyclic.py), the b-banded strategy's coefficients (``strategy``, for the step's noise), and the
 accountant of amplified BandMF (accounting/banded.py): ceil(T / b) participations, calibrated and cut the same way.
+BLT (``privacy.mechanism=blt``, blt.py) is a third: the shard recut into k fixed batches walked cyclically
+(cyclic.FixedBatchSampler), the BLT for (T, k, d) as ``strategy``, and accounting/blt.py's accountant (one Gaussian
+of multiplier sigma / sens(T), no amplification).
+
+:func:`mechanism_kind` is the one place that refuses a mechanism that is unknown, or a setting one does not support.
 """
 
 from __future__ import annotations
@@ -28,10 +33,13 @@ from workbench.errors import WorkbenchError
 from workbench.privacy.accounting import (Accountant, calibrate_noise, code_version, default_delta,
                                           validate_privacy_args)
 from workbench.privacy.accounting.banded import BandMFAccountant, participations
+from workbench.privacy.accounting.blt import BLTAccountant, calibrate_blt
+from workbench.privacy.blt import BLT, check_blt
+from workbench.privacy.blt import strategy as blt_strategy
 from workbench.privacy.clipping.adaptive import AdaptiveClip, FixedClip
-from workbench.privacy.correlated import BUILT, MECHANISMS
+from workbench.privacy.correlated import MECHANISMS
 from workbench.privacy.correlated import strategy as banded_strategy
-from workbench.privacy.cyclic import CyclicPoissonBatchSampler, banded_shard
+from workbench.privacy.cyclic import CyclicPoissonBatchSampler, FixedBatchSampler, banded_shard, fixed_batch_shard
 from workbench.privacy.sampling import PoissonBatchSampler, Shard
 
 
@@ -50,9 +58,10 @@ class Mechanism:
     accountant: Accountant | None = None  # of exactly (q, sigma, W, shard_mode); its state is the run's spend so far
     notes: list[str] = field(default_factory=list)  # warnings about doubtful settings, for the user
     clipping: FixedClip | AdaptiveClip | None = None  # C_t's schedule, asked by the step (None: not private)
-    kind: str = "dpsgd"  # dpsgd | bandmf (privacy.mechanism)
-    num_bands: int = 1  # b (bandmf): the cyclic parts and the strategy's bands
-    strategy: tuple[float, ...] | None = None  # bandmf: c_0..c_{b-1}, unit norm (correlated.py); None: independent
+    kind: str = "dpsgd"  # dpsgd | bandmf | blt (privacy.mechanism)
+    num_bands: int = 1  # b (bandmf): the cyclic parts and the strategy's bands; blt: k, the fixed batches per epoch
+    # bandmf: c_0..c_{b-1}, unit norm (correlated.py); blt: its BLT (blt.py); None: independent noise
+    strategy: tuple[float, ...] | BLT | None = None
 
     def __post_init__(self) -> None:
         if self.clipping is None and self.private:
@@ -81,8 +90,10 @@ class Mechanism:
         """B: every step's clipped noised sum is divided by it, never by the realised batch."""
         return self.shard.expected_batch
 
-    def sampler(self, seed: int, rank: int, start_step: int = 0) -> PoissonBatchSampler | CyclicPoissonBatchSampler:
+    def sampler(self, seed: int, rank: int, start_step: int = 0) -> Any:
         """The batches of steps [start_step, steps) on ``rank``, from the secret sampling seed."""
+        if self.kind == "blt":
+            return FixedBatchSampler(self.shard, self.world_size, self.steps, seed, rank, start_step)
         if self.kind == "bandmf":
             return CyclicPoissonBatchSampler(self.shard, self.num_bands, self.steps, seed, rank, start_step)
         return PoissonBatchSampler(self.shard, self.steps, seed, rank, start_step)
@@ -103,6 +114,9 @@ class Mechanism:
                           clip_count_noise=self.clipping.count_noise)
         if self.kind == "bandmf":  # accounting/banded.py's accountant_of reads these back
             fields.update(mechanism="bandmf", num_bands=self.num_bands)
+        if self.kind == "blt":  # the accountant's whole event: its BLT, k and the T its sensitivity was computed for
+            fields.update(mechanism="blt", min_sep=a.min_sep, buf_decay=list(a.blt.buf_decay),
+                          output_scale=list(a.blt.output_scale), strategy_steps=a.planned_steps)
         return fields
 
 
@@ -115,10 +129,14 @@ def plan(p: Any, shard: Shard, shard_mode: str, world_size: int, steps: int, uni
     kind, bands = mechanism_kind(p, shard_mode)
     if kind == "bandmf":
         shard = banded_shard(shard, bands, world_size)
+    if kind == "blt":
+        shard = fixed_batch_shard(shard, world_size)
     delta = p.target_delta if p.target_delta is not None else default_delta(shard.population)
     notes = validate_privacy_args(p.target_epsilon, delta, p.noise_multiplier, p.max_grad_norm, shard.population)
     if p.noise_multiplier == 0:
         raise WorkbenchError("privacy.noise_multiplier=0 gives no privacy; use privacy.enabled=false for a non-private run")
+    if kind == "blt":
+        return _plan_blt(p, shard, shard_mode, world_size, steps, delta, notes, bands)
     # bandmf's T steps cost DP-SGD's ceil(T / b) (accounting/banded.py): calibrated as those, same accountant
     counted = participations(steps, bands) if kind == "bandmf" else steps
     sigma = p.noise_multiplier if p.noise_multiplier is not None else cache.cached(
@@ -128,17 +146,7 @@ def plan(p: Any, shard: Shard, shard_mode: str, world_size: int, steps: int, uni
         delta=delta, world_size=world_size, shard=shard_mode, code=code_version())
     accountant = BandMFAccountant(p.accountant, shard.sample_rate, sigma, bands, world_size, shard_mode) \
         if kind == "bandmf" else Accountant(p.accountant, shard.sample_rate, sigma, world_size, shard_mode)
-    if p.target_epsilon is not None:
-        budget = cache.cached("max_steps", lambda: accountant.max_steps(p.target_epsilon, delta, steps),
-                              accountant=accountant.state_dict(), target_epsilon=p.target_epsilon, delta=delta,
-                              upper=steps, code=code_version())
-        if budget == 0:
-            raise WorkbenchError(f"privacy.target_epsilon={p.target_epsilon} is exceeded by the first step at "
-                                 f"noise_multiplier={sigma}; raise the noise or the target")
-        if budget < steps:
-            notes.append(f"the run stops after {budget} of {steps} steps: one more would exceed "
-                         f"target_epsilon={p.target_epsilon}")
-            steps = budget
+    steps = _budget(p, accountant, delta, steps, notes)
     clip = clip_schedule(p, shard.expected_batch)
     clip.gradient_noise(sigma)  # refused here, before any run exists, when the count's noise is too small
     if kind == "bandmf":
@@ -153,25 +161,83 @@ def plan(p: Any, shard: Shard, shard_mode: str, world_size: int, steps: int, uni
     return Mechanism(shard, shard_mode, world_size, steps, p.max_grad_norm, sigma, delta, accountant, notes, clip)
 
 
+def _plan_blt(p: Any, shard: Shard, shard_mode: str, world_size: int, steps: int, delta: float, notes: list[str],
+              buffers: int) -> Mechanism:
+    """BLT's plan (blt.py): k fixed batches, the BLT for (T, k, d), sigma for target_epsilon after T steps. Its
+    epsilon grows with t through sens(t), so the budget stop is only ever at T itself (a given sigma may cut it)."""
+    k = round(1 / shard.sample_rate)
+    blt = check_blt(*cache.cached("blt_strategy", lambda: _blt_params(buffers, steps, k), buffers=buffers,
+                                  steps=steps, min_sep=k, code=cache.code_version(("privacy/blt.py",), ("scipy",))),
+                    buffers)
+    sigma = p.noise_multiplier if p.noise_multiplier is not None else cache.cached(
+        "calibrate_blt", lambda: calibrate_blt(p.accountant, blt, k, steps, p.target_epsilon, delta, world_size),
+        kind=p.accountant, blt=[blt.buf_decay, blt.output_scale], min_sep=k, steps=steps,
+        target_epsilon=p.target_epsilon, delta=delta, world_size=world_size, code=code_version())
+    accountant = BLTAccountant(p.accountant, sigma, blt, k, steps, world_size, shard_mode)
+    steps = _budget(p, accountant, delta, steps, notes)
+    if shard.dropped:
+        notes.append(f"privacy.mechanism=blt uses {shard.population} examples ({shard.dropped} dropped) so that each "
+                     f"rank's shard splits into {k} fixed batches of {shard.expected_batch // world_size}")
+    return Mechanism(shard, shard_mode, world_size, steps, p.max_grad_norm, sigma, delta, accountant, notes,
+                     clip_schedule(p, shard.expected_batch), "blt", k, blt)
+
+
+def _budget(p: Any, accountant: Accountant, delta: float, steps: int, notes: list[str]) -> int:
+    """The planned steps cut to the last one within target_epsilon (the budget stop), said in ``notes``."""
+    if p.target_epsilon is None:
+        return steps
+    budget = cache.cached("max_steps", lambda: accountant.max_steps(p.target_epsilon, delta, steps),
+                          accountant=accountant.state_dict(), target_epsilon=p.target_epsilon, delta=delta,
+                          upper=steps, code=code_version())
+    if budget == 0:
+        raise WorkbenchError(f"privacy.target_epsilon={p.target_epsilon} is exceeded by the first step at "
+                             f"noise_multiplier={accountant.noise_multiplier}; raise the noise or the target")
+    if budget < steps:
+        notes.append(f"the run stops after {budget} of {steps} steps: one more would exceed "
+                     f"target_epsilon={p.target_epsilon}")
+        steps = budget
+    return steps
+
+
+def _blt_params(buffers: int, steps: int, min_sep: int) -> list[list[float]]:
+    blt = blt_strategy(buffers, steps, min_sep)
+    return [list(blt.buf_decay), list(blt.output_scale)]
+
+
+def check_settings(cfg: Any) -> None:
+    """Refuse, before any work, a config whose mechanism is unknown or does not support its settings (what
+    config.validate cannot ask from the layer below this one)."""
+    p = cfg.privacy
+    if p.enabled:
+        mechanism_kind(p, cfg.ddp_shard)
+    elif p.get("mechanism", "dpsgd") not in MECHANISMS:
+        raise WorkbenchError(f"privacy.mechanism={p.mechanism!r} is unknown; choose one of {', '.join(MECHANISMS)}")
+
+
 def mechanism_kind(p: Any, shard_mode: str) -> tuple[str, int]:
-    """(privacy.mechanism, b) of privacy settings ``p``, refusing in one line what is not built or not accounted."""
+    """(privacy.mechanism, b or d) of privacy settings ``p``, refusing in one line what is unknown or not accounted:
+    the one place for these refusals (config.validate's callers ask it before any work; plan asks it again)."""
     get = p.get if hasattr(p, "get") else lambda k, d=None: getattr(p, k, d)
-    kind, bands = get("mechanism", "dpsgd"), get("num_bands", 1)
+    kind = get("mechanism", "dpsgd")
     if kind not in MECHANISMS:
         raise WorkbenchError(f"privacy.mechanism={kind!r} is unknown; choose one of {', '.join(MECHANISMS)}")
-    if kind not in BUILT:
-        raise WorkbenchError(f"privacy.mechanism={kind} is not built yet; choose {' or '.join(BUILT)}")
     if kind == "dpsgd":
         return kind, 1
-    if not (isinstance(bands, int) and not isinstance(bands, bool) and bands >= 1):
-        raise WorkbenchError(f"privacy.num_bands must be an integer >= 1, got {bands!r}")
+    key, what = ("num_bands", "cyclic Poisson") if kind == "bandmf" else ("blt_buffers", "fixed batches")
+    size = get(key, 4)
+    if not (isinstance(size, int) and not isinstance(size, bool) and 1 <= size <= (16 if kind == "blt" else size)):
+        raise WorkbenchError(f"privacy.{key} must be an integer >= 1{' and <= 16' if kind == 'blt' else ''}, "
+                             f"got {size!r}")
     if shard_mode != "per_rank":
-        raise WorkbenchError("privacy.mechanism=bandmf supports ddp_shard=per_rank only (cyclic Poisson over each "
-                             "rank's shard); shard=global is not analysed for it")
+        raise WorkbenchError(f"privacy.mechanism={kind} supports ddp_shard=per_rank only ({what} over each rank's "
+                             "shard); shard=global is not analysed for it")
     if get("clipping", "fixed") != "fixed":
-        raise WorkbenchError("privacy.mechanism=bandmf supports privacy.clipping=fixed only (adaptive clipping's "
+        raise WorkbenchError(f"privacy.mechanism={kind} supports privacy.clipping=fixed only (adaptive clipping's "
                              "accounting with correlated noise is not built)")
-    return kind, int(bands)
+    if kind == "blt" and get("unit", "example") != "example":  # bandmf's cyclic Poisson runs over users (users.py)
+        raise WorkbenchError("privacy.mechanism=blt supports privacy.unit=example only (its fixed batches over users "
+                             "are not built); use privacy.mechanism=dpsgd or bandmf for user-level DP")
+    return kind, int(size)
 
 
 def clip_schedule(p: Any, expected_batch: int) -> FixedClip | AdaptiveClip:

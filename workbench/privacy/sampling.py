@@ -18,7 +18,7 @@ from workbench.errors import WorkbenchError
 
 SHARDS = ("per_rank", "global")
 # `stream` of step_generator: the batch draws, the gradient noise, the clipped count's noise (adaptive clipping)
-SAMPLING_STREAM, NOISE_STREAM, COUNT_NOISE_STREAM = 0, 1, 2
+SAMPLING_STREAM, NOISE_STREAM, COUNT_NOISE_STREAM, PARTITION_STREAM = 0, 1, 2, 3  # 3: blt's fixed batches
 
 
 @dataclass(frozen=True)

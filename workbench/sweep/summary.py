@@ -115,7 +115,8 @@ def _candidates(state: dict, events: list, notes: list[str]):
 
 
 def _key(a: privacy.Accountant) -> tuple:
-    return (round(a.sample_rate, 12), round(a.noise_multiplier, 12), a.world_size, a.shard, getattr(a, "num_bands", 0))
+    return (round(a.sample_rate, 12), round(a.noise_multiplier, 12), a.world_size, a.shard, getattr(a, "num_bands", 0),
+            getattr(a, "blt", None), getattr(a, "min_sep", 0), getattr(a, "planned_steps", 0))  # blt's event
 
 
 def _best(mechanisms, unbounded: list[str], delta: float | None, s: dict, notes: list[str]) -> dict[str, float]:

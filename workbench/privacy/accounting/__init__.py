@@ -5,6 +5,7 @@
 - accountant.py   :class:`Accountant`, a run's ledger (pld | rdp | prv), and :class:`EpsilonSchedule`
 - calibration.py  the smallest sigma for a target epsilon; the default delta; argument checks
 - banded.py       amplified BandMF: DP-SGD's event over ceil(T/b) participations, as an Accountant
+- blt.py          BLT over fixed batches: one Gaussian of multiplier sigma / sens(t), as an Accountant
 - tuning.py       composition across runs: what a sweep costs (all points, or only the best of K, selection.py)
 - tradeoff.py     what epsilon means: the most any membership-inference attack achieves (f-DP from the PLD)
 

@@ -23,10 +23,11 @@ def code_version() -> str:
     the accounting libraries' versions."""
     from workbench import cache
 
-    return cache.code_version(tuple(f"privacy/accounting/{name}.py" for name in MODULES), ("dp-accounting", "opacus"))
+    return cache.code_version(tuple(f"privacy/accounting/{name}.py" for name in MODULES) + ("privacy/blt.py",),
+                              ("dp-accounting", "opacus"))
 
 
-MODULES = ("lazy", "events", "pld", "pld_losses", "accountant", "calibration", "banded")  # what an epsilon is computed by
+MODULES = ("lazy", "events", "pld", "pld_losses", "accountant", "calibration", "banded", "blt")  # what an epsilon is computed by
 ACCOUNTANTS = ("pld", "rdp", "prv")
 
 _STATE_KEYS = ("kind", "sample_rate", "noise_multiplier", "world_size", "shard", "pld_discretization", "steps")

@@ -73,7 +73,13 @@ class BandMFAccountant(Accountant):
 
 
 def accountant_of(fields: dict[str, Any], kind: str = "pld") -> Accountant:
-    """The accountant of a run's ``workbench.dp_event`` fields (Mechanism.event_fields): BandMF's when it says so."""
+    """The accountant of a run's ``workbench.dp_event`` fields (Mechanism.event_fields): BandMF's or BLT's when it
+    says so."""
+    if fields.get("mechanism") == "blt":
+        from workbench.privacy.accounting.blt import BLTAccountant, blt_of
+
+        return BLTAccountant(kind, fields["noise_multiplier"], blt_of(fields), fields["min_sep"],
+                             fields["strategy_steps"], fields["world_size"], fields["shard"])
     if fields.get("mechanism", "dpsgd") == "bandmf":
         return BandMFAccountant(kind, fields["sample_rate"], fields["noise_multiplier"], fields["num_bands"],
                                 fields["world_size"], fields["shard"])

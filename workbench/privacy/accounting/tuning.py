@@ -72,7 +72,9 @@ def _distinct_mechanisms(runs):
         return runs, math.inf
     if not runs:
         return runs, 0.0
-    return list({(a.sample_rate, a.noise_multiplier, a.world_size, a.shard, n): (a, n) for a, n in runs}.values()), None
+    # the whole mechanism (bandmf's bands, blt's strategy and k too), so that no distinct one is dropped
+    return list({(repr({k: v for k, v in a.state_dict().items() if k != "steps"}), n): (a, n)
+                 for a, n in runs}.values()), None
 
 
 def profile_epsilon(runs: Sequence[tuple[Accountant, int]], delta: float, trials: str,
