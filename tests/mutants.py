@@ -150,6 +150,18 @@ MUTANTS = (
            "workbench/run.py", 'PRIVATE_STATE = ("secret", "privacy_digest", "correlated_noise")',
            'PRIVATE_STATE = ("secret", "privacy_digest")',
            ("tests/test_bandmf.py::test_a_crashed_bandmf_run_resumes_bit_for_bit_and_its_ring_stays_out_of_mlflow",)),
+    Mutant("oom-retry-keeps-partial-sum", "max_physical_batch_size=auto restarts a step after out-of-memory on top "
+           "of the failed attempt's clipped sums: examples counted twice", "workbench/step.py",
+           "        self.flat.zero_()\n        for p in self.params:\n            p.grad = None\n            if getattr",
+           "        for p in self.params:\n            p.grad = None\n            if getattr",
+           ("tests/test_micro_batches.py::test_out_of_memory_restarts_the_step_from_the_same_batch_and_equals_the_"
+            "smaller_size_from_the_start",)),
+    Mutant("oom-retry-lowers-the-margins", "the clip margins follow auto's halving, which happens on a realised "
+           "(private) batch size: every factor then depends on how many examples were drawn",
+           "workbench/step.py", "        self.max_physical_batch_size = size // 2\n",
+           "        self.max_physical_batch_size = self.clipper.max_batch = size // 2\n",
+           ("tests/test_micro_batches.py::test_out_of_memory_restarts_the_step_from_the_same_batch_and_equals_the_"
+            "smaller_size_from_the_start",)),
     Mutant("budget-stop-ignored", "a run with fixed sigma takes all planned steps past target_epsilon",
            "workbench/privacy/mechanism.py", "            steps = budget\n", "            pass\n",
            ("tests/test_mechanism.py::test_a_run_with_fixed_noise_stops_at_the_budget",)),

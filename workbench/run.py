@@ -36,8 +36,8 @@ if TYPE_CHECKING:  # audit=canaries only: scipy.stats is most of a second to imp
 log = logging.getLogger("workbench")
 
 # Checkpoint entries that stay in the run folder and never reach MLflow (see _fit).
-PRIVATE_STATE = ("secret", "privacy_digest", "correlated_noise",  # bandmf's ring: past noise, as secret as the secret
-                 "physical_batch_size")  # auto's size may have halved on a realised (private) batch size
+PRIVATE_STATE = ("secret", "privacy_digest", "correlated_noise")  # bandmf's ring: past noise, as secret as the secret
+PRIVATE_STATE += ("physical_batch_size",)  # auto's size may have halved on a realised (private) batch size
 
 
 @dataclass
