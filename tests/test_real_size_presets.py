@@ -1,6 +1,6 @@
-"""Issue 24's benchmark presets (conf/experiment/bench_*.yaml) are built at real size by the config alone (no
-download) and take a DP step with max_physical_batch_size=auto. Sequences are shortened here (the model is not): a
-step at 256 tokens is the benchmark's (benchmarks/real_size.py), not the suite's."""
+"""Issue 24's benchmark presets (conf/experiment/bench_minilm.yaml, bench_gpt2_lora.yaml, bench_resnet18.yaml) are
+built at real size by the config alone (no download) and take a DP step with max_physical_batch_size=auto. Sequences
+are shortened here (the model is not): a step at 256 tokens is the benchmark's (benchmarks/real_size.py)."""
 
 import pytest
 import torch
