@@ -162,6 +162,10 @@ MUTANTS = (
            "        self.max_physical_batch_size = self.clipper.max_batch = size // 2\n",
            ("tests/test_micro_batches.py::test_out_of_memory_restarts_the_step_from_the_same_batch_and_equals_the_"
             "smaller_size_from_the_start",)),
+    Mutant("resume-forgets-auto-size", "a resumed max_physical_batch_size=auto run re-probes its size and margins: "
+           "not the run it resumes", "workbench/job.py", 'if step_fn.auto and state.get("physical_batch_size"):',
+           "if False:", ("tests/test_micro_batches.py::test_a_resumed_auto_run_keeps_its_size_and_margins_and_ends_"
+                         "bit_exact",)),
     Mutant("budget-stop-ignored", "a run with fixed sigma takes all planned steps past target_epsilon",
            "workbench/privacy/mechanism.py", "            steps = budget\n", "            pass\n",
            ("tests/test_mechanism.py::test_a_run_with_fixed_noise_stops_at_the_budget",)),

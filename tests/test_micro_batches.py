@@ -127,3 +127,25 @@ def test_auto_runs_equal_fixed_size_runs_bit_for_bit_through_the_whole_job(make_
     assert partial_drawn == clean_drawn == drawn and partial.epsilon == clean.epsilon == auto.epsilon
     assert all(torch.equal(a, b) for a, b in zip(partial_params, clean_params))
     assert not all(torch.equal(a, b) for a, b in zip(partial_params, auto_params))  # the halving did happen
+
+
+def test_a_resumed_auto_run_keeps_its_size_and_margins_and_ends_bit_exact(make_cfg, tmp_path, monkeypatch):
+    """A run that halved its size at step 0 crashes in step 4; resumed with another memory budget (its probe alone would
+    choose another size and other margins), it takes the checkpoint's and ends exactly where an uninterrupted run does."""
+    from workbench import checkpoint, train
+
+    args = ["experiment=quick", "data.train._target_=tests.plugins.FailingSynthetic", "max_steps=6", "save_steps=3",
+            "data.eval=null", "privacy.grad_sample_mode=hooks", "privacy.secure_seed=5", "max_physical_batch_size=auto",
+            "tracking.enabled=false"]
+    monkeypatch.setattr(GradientStep, "fault", staticmethod(_oom_above(13, first_fits=False)))
+    crashed = tmp_path / "crashed"
+    monkeypatch.setenv("WB_FAIL_AT_FETCH", "6")  # the pre-run check's fetch, then steps 0..3: fails in step 4
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train(make_cfg(*args, "physical_batch_memory=1", f"output_dir={crashed}"))
+    monkeypatch.delenv("WB_FAIL_AT_FETCH")
+    kept = checkpoint.load(checkpoint.list_checkpoints(crashed)[-1])["physical_batch_size"]
+    assert kept[0] < kept[1]  # halved below its margins' size
+    resumed = train(make_cfg(*args, "physical_batch_memory=2", f"output_dir={crashed}", "resume_from_checkpoint=latest"))
+    whole = train(make_cfg(*args, "physical_batch_memory=1", f"output_dir={tmp_path / 'whole'}"))
+    assert resumed.steps == whole.steps == 6 and resumed.epsilon == whole.epsilon
+    assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), whole.model.parameters()))
