@@ -35,6 +35,16 @@ PRESETS: dict[str, tuple[list[str], str]] = {
             "ViT as tutorials write it: patch conv, cls token and position table as raw nn.Parameters, one "
             "nn.TransformerEncoder block (conf/experiment/vit.yaml) on digits"),
     "cnn": (["model=cnn"], "SmallCNN (conf/model/cnn.yaml) on digits"),  # vs_opacus and distributed_scaling only
+    # issue 24's real-size presets (benchmarks/real_size.py)
+    "bench_minilm": (["experiment=bench_minilm"],
+                     "MiniLM-sized BERT encoder: 6 layers, hidden 384, 30,522-token vocabulary, embeddings frozen "
+                     "(conf/experiment/bench_minilm.yaml), classifying synthetic 256-token sequences"),
+    "bench_gpt2_lora": (["experiment=bench_gpt2_lora"],
+                        "GPT-2-shaped decoder: 6 layers, hidden 384, 50,257-token vocabulary, LoRA r=8 on attention "
+                        "and MLP (conf/experiment/bench_gpt2_lora.yaml), next-token loss on synthetic 256-token sequences"),
+    "bench_resnet18": (["experiment=bench_resnet18"],
+                       "ResNet-18 with GroupNorm (conf/experiment/bench_resnet18.yaml) on CIFAR-shaped synthetic "
+                       "images 3x32x32"),
 }
 
 
@@ -99,15 +109,15 @@ class Preset:
 _COMPOSED: dict[tuple, Any] = {}
 
 
-def preset(name: str, max_batch: int | None = None) -> Preset:
+def preset(name: str, max_batch: int | None = None, extra: tuple[str, ...] = ()) -> Preset:
     """The composed preset ``name`` (composed once per process); ``max_batch`` caps its per-device batch (quick mode:
-    the same model and data at a smaller batch)."""
-    key = (name, max_batch)
+    the same model and data at a smaller batch); ``extra``: more overrides (real_size's quick mode: shorter sequences)."""
+    key = (name, max_batch, extra)
     if key not in _COMPOSED:
         from workbench import compose
 
-        cfg = compose(PRESETS[name][0])
+        cfg = compose([*PRESETS[name][0], *extra])
         if max_batch is not None and cfg.per_device_train_batch_size > max_batch:
-            cfg = compose([*PRESETS[name][0], f"per_device_train_batch_size={max_batch}"])
+            cfg = compose([*PRESETS[name][0], *extra, f"per_device_train_batch_size={max_batch}"])
         _COMPOSED[key] = cfg
     return Preset(name, _COMPOSED[key])

@@ -108,7 +108,7 @@ def plain_step(model: nn.Module, criterion: nn.Module | None = None) -> Callable
 
 def workbench_step(model: nn.Module, mode: str | None, dist=None, check_on: Any = None,
                    criterion: nn.Module | None = None, expected_batch: int = BATCH,
-                   max_physical_batch_size: int = 512) -> Callable[[Any, int], None]:
+                   max_physical_batch_size: int | str = 512) -> Callable[[Any, int], None]:
     """One step as ``Trainer.fit`` takes it; ``mode=None`` is GradientStep's non-private twin. ``check_on``: a few
     examples for the pre-run check, as ``workbench.run`` does (8); without it the first step checks 8 of its own."""
     from workbench.step import GradientStep
@@ -116,9 +116,10 @@ def workbench_step(model: nn.Module, mode: str | None, dist=None, check_on: Any 
     gs = GradientStep(model, criterion or nn.CrossEntropyLoss(reduction="none"), dist or single_process_dist(),
                       max_grad_norm=None if mode is None else CLIP, noise_multiplier=SIGMA,
                       grad_sample_mode=mode or "hooks", max_physical_batch_size=max_physical_batch_size,
-                      noise_seed=0)
+                      noise_seed=0, expected_batch=expected_batch)
     if check_on is not None:
         gs.check(check_on)
+        gs.size_micro_batches(check_on)  # max_physical_batch_size=auto: as workbench.job does after the check
     opt = torch.optim.SGD(gs.params, lr=LR)
     expected = float(expected_batch * (dist.world_size if dist is not None else 1))
 

@@ -186,6 +186,22 @@ MUTANTS = (
     Mutant("blt-batches-not-cyclic", "blt's sampler takes batch 0 at every step: examples take part every step, not "
            "every k-th as accounted", "workbench/privacy/cyclic.py", "k = step % self.parts", "k = 0",
            ("tests/test_blt.py::test_fixed_batches_take_each_example_exactly_at_the_steps_of_its_part[1]",)),
+    Mutant("oom-retry-keeps-partial-sum", "max_physical_batch_size=auto restarts a step after out-of-memory on top "
+           "of the failed attempt's clipped sums: examples counted twice", "workbench/step.py",
+           "        self.flat.zero_()\n        for p in self.params:\n            p.grad = None\n            if getattr",
+           "        for p in self.params:\n            p.grad = None\n            if getattr",
+           ("tests/test_micro_batches.py::test_out_of_memory_restarts_the_step_from_the_same_batch_and_equals_the_"
+            "smaller_size_from_the_start",)),
+    Mutant("oom-retry-lowers-the-margins", "the clip margins follow auto's halving, which happens on a realised "
+           "(private) batch size: every factor then depends on how many examples were drawn",
+           "workbench/step.py", "        self.max_physical_batch_size = size // 2\n",
+           "        self.max_physical_batch_size = self.clipper.max_batch = size // 2\n",
+           ("tests/test_micro_batches.py::test_out_of_memory_restarts_the_step_from_the_same_batch_and_equals_the_"
+            "smaller_size_from_the_start",)),
+    Mutant("resume-forgets-auto-size", "a resumed max_physical_batch_size=auto run re-probes its size and margins: "
+           "not the run it resumes", "workbench/job.py", 'if step_fn.auto and state.get("physical_batch_size"):',
+           "if False:", ("tests/test_micro_batches.py::test_a_resumed_auto_run_keeps_its_size_and_margins_and_ends_"
+                         "bit_exact",)),
     Mutant("budget-stop-ignored", "a run with fixed sigma takes all planned steps past target_epsilon",
            "workbench/privacy/mechanism.py", "        steps = budget\n", "        pass\n",
            ("tests/test_mechanism.py::test_a_run_with_fixed_noise_stops_at_the_budget",)),

@@ -23,13 +23,15 @@ KINDS = [
     (["model.foo=1"], "add it with +model.foo="),
     (["shard=bogus"], "shard=bogus is unknown; choose one of global, per_rank"),
     (["model=bogus"], "model=bogus is unknown; choose one of cnn, gpt, hf, mlp, resnet_gn, tiny_bert, tiny_gpt2, transformer, vit"),
-    (["data=bogus"], "choose one of cifar10, digits, hf_text, synthetic, synthetic_images, synthetic_text"),
+    (["data=bogus"], "choose one of cifar10, digits, hf_text, synthetic, synthetic_images, synthetic_sequences, "
+                     "synthetic_text"),
     (["privacy=bogus"], "choose one of dp, none"),
     (["backend=bogus"], "backend=bogus is unknown; choose one of auto, cncl, gloo"),
     (["launcher=bogus"], "choose one of inline, local, slurm"),
     (["tracking=bogus"], "choose one of mlflow, off"),
     (["dataloader=bogus"], "choose one of default, workers"),
-    (["experiment=bogus"], "choose one of digits_eps1, gpt, images_resnet, lm_lora, quick, text_classifier, users, vit"),
+    (["experiment=bogus"], "choose one of bench_gpt2_lora, bench_minilm, bench_resnet18, digits_eps1, gpt, images_resnet, "
+                           "lm_lora, quick, text_classifier, users, vit"),
     (["seed=abc"], "wrong type for seed"),
     (["per_device_train_batch_size=1.5"], "wrong type for per_device_train_batch_size"),
     (["learning_rate=fast"], "wrong type for learning_rate"),

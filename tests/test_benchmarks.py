@@ -92,3 +92,23 @@ def test_quick_benchmarks_write_every_figure(tmp_path):
         assert f"`{name}`" in table, name
     for preset in PRESET_THROUGHPUT:
         assert f"**{preset}**" in table, preset
+
+
+@pytest.mark.slow
+@pytest.mark.bench  # issue 24's real-size presets, quick mode (short sequences, batch 4): make bench-quick, not make test
+def test_quick_real_size_benchmark_writes_its_rows(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.real_size", "--quick", "--out", str(tmp_path)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads((tmp_path / "real_size.json").read_text())
+    assert out["mode"] == "quick" and list(out["presets"]) == ["bench_minilm", "bench_gpt2_lora", "bench_resnet18"]
+    for name, e in out["presets"].items():
+        rows = e["rows"]
+        assert {"non_private", "ours"} <= set(rows) and ("opacus_ghost" in rows) != ("opacus_ghost" in e["refused"])
+        assert 1 <= e["physical_batch_size"] and e["batch"] == 4, name
+        for r in rows.values():
+            assert r["samples_per_s"] > 0 and r["peak_step_mib"] > 0, name
+            assert r["throughput_vs_non_private"] == pytest.approx(
+                r["samples_per_s"] / rows["non_private"]["samples_per_s"]), name
+    assert "| bench_resnet18 |" in (tmp_path / "REAL_SIZE.md").read_text()

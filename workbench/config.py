@@ -161,7 +161,8 @@ class WorkbenchConfig:
     data_seed: Optional[int] = None
     per_device_train_batch_size: int = 256  # expected per-process Poisson batch
     per_device_eval_batch_size: int = 512
-    max_physical_batch_size: int = 512  # bounds memory only
+    max_physical_batch_size: Any = 512  # bounds memory only; auto: the largest that fits (README, micro-batches)
+    physical_batch_memory: Optional[float] = None  # MiB, for max_physical_batch_size=auto on CPU (None: 1/4 of free)
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
     num_train_epochs: float = 1.0
@@ -242,6 +243,7 @@ class Range:
 RANGES = {
     "seed": Range(0, SEED_MAX), "data_seed": Range(0, SEED_MAX),
     "per_device_train_batch_size": Range(1), "per_device_eval_batch_size": Range(1), "max_physical_batch_size": Range(1),
+    "physical_batch_memory": Range(0, low_open=True),
     "learning_rate": Range(0, low_open=True), "weight_decay": Range(0),
     "num_train_epochs": Range(0), "max_steps": Range(-1, STEPS_MAX), "warmup_steps": Range(0, STEPS_MAX),
     "logging_steps": Range(1), "eval_steps": Range(1), "save_steps": Range(1), "save_total_limit": Range(1),
@@ -314,10 +316,11 @@ def _check_resolvable(cfg: DictConfig) -> None:
 def _check_ranges(cfg: DictConfig) -> None:
     for name, allowed in RANGES.items():
         value = OmegaConf.select(cfg, name)
-        if value is None:
+        if value is None or (name == "max_physical_batch_size" and value == "auto"):
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise WorkbenchError(f"{name} must be a number, got {value!r}")
+            raise WorkbenchError(f"{name} must be a number{' or auto' if name == 'max_physical_batch_size' else ''}, "
+                                 f"got {value!r}")
         if not math.isfinite(value):
             raise WorkbenchError(f"{name} must be a finite number {allowed.describe()}, got {value}")
         if not allowed.holds(value):
@@ -402,6 +405,9 @@ def _check_unit(cfg: DictConfig) -> None:
     if OmegaConf.select(cfg, "data.user_key") is None:
         raise WorkbenchError("privacy.unit=user needs data.user_key: the dataset attribute, example field or "
                              "_target_ callable giving each example's user")
+    if cfg.max_physical_batch_size == "auto":
+        raise WorkbenchError("privacy.unit=user does not support max_physical_batch_size=auto (a user's examples must "
+                             "share one micro-batch of a size known before training); set a number")
     if p.max_examples_per_user > cfg.max_physical_batch_size:
         raise WorkbenchError(f"privacy.max_examples_per_user={p.max_examples_per_user} is more than "
                              f"max_physical_batch_size={cfg.max_physical_batch_size}: a user's examples share one "

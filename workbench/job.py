@@ -234,11 +234,19 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
                            noise_multiplier=plan.gradient_noise_multiplier, grad_sample_mode=p.grad_sample_mode,
                            max_physical_batch_size=cfg.max_physical_batch_size, autocast_dtype=autocast_dtype,
                            loss_scale=cfg.fp16_loss_scale if cfg.fp16 else None, clip_schedule=plan.clipping,
-                           noise_strategy=plan.strategy)
+                           noise_strategy=plan.strategy, expected_batch=cfg.per_device_train_batch_size,
+                           physical_batch_memory=cfg.physical_batch_memory)
     # The same examples on every rank: a refusal is raised everywhere alike, before any run exists.
-    step_fn.check(loaders.first_examples(train_set, CHECK_EXAMPLES, collator))
+    first = loaders.first_examples(train_set, CHECK_EXAMPLES, collator)
+    step_fn.check(first)
     if d.is_main and step_fn.mode_note:  # which mode auto picked, and why faster ones were skipped
         print(step_fn.mode_note, flush=True)
+    step_fn.size_micro_batches(first)  # max_physical_batch_size=auto on CPU: from the memory budget
+    if step_fn.auto:  # ranks may differ in free memory: every rank takes the smallest size (one margin everywhere)
+        step_fn.max_physical_batch_size = step_fn.bound_batch = step_fn.clipper.max_batch = \
+            min(d.all_gather_object(step_fn.max_physical_batch_size)) if d.distributed else step_fn.max_physical_batch_size
+        if d.is_main:
+            print(f"max_physical_batch_size=auto: {step_fn.max_physical_batch_size} examples per micro-batch", flush=True)
     if wants_noise and plan.strategy is not None:  # its std is not sigma C / B: (C^-1 C^-T)_tt varies with t
         raise WorkbenchError(f"optimizer {cfg.optimizer.get('_target_')} corrects for independent noise of std sigma C / B; "
                              f"privacy.mechanism={plan.kind}'s noise is correlated: use optimizer=sgd or torch.optim.AdamW")
@@ -271,6 +279,10 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
                 plan.clipping.load_state_dict(state.get("clipping"))
             if plan.strategy is not None:  # bandmf: the secret ring of past noise, where the checkpoint left it
                 step_fn.noise.load_state_dict(state.get("correlated_noise"), int(state["step"]))
+            if step_fn.auto and state.get("physical_batch_size"):  # the size and margins the run had: bit-exact
+                size, bound = state["physical_batch_size"]
+                step_fn.max_physical_batch_size, step_fn.bound_batch = int(size), int(bound)
+                step_fn.clipper.max_batch = int(bound)
             start_step, resume_run_id = int(state["step"]), state.get("run_id")
             secret = state["secret"]
             log.info("resuming from %s at step %d", path, start_step)

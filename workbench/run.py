@@ -38,6 +38,7 @@ log = logging.getLogger("workbench")
 # Checkpoint entries that stay in the run folder and never reach MLflow (see _fit).
 # bandmf's ring: past noise, as secret as the secret; audit: the canaries' scores and their observer's past updates
 PRIVATE_STATE = ("secret", "privacy_digest", "correlated_noise", "audit")
+PRIVATE_STATE += ("physical_batch_size",)  # auto's size may have halved on a realised (private) batch size
 
 
 @dataclass
@@ -121,6 +122,8 @@ def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | 
         if job.mechanism.private:
             tags["grad_sample_mode"] = job.step_fn.mode  # what auto picked (its reason: the console's line)
             tags["privacy_unit"] = _unit(job.mechanism)  # what epsilon protects: one example, or one user
+        if job.step_fn.auto:  # the size chosen before training (a later out-of-memory halving: console only)
+            tags["physical_batch_size"] = job.step_fn.max_physical_batch_size
         if job.fixed_modules:
             tags["fixed_modules"] = "; ".join(job.fixed_modules)
         tracker.start({**tags, "status": "running"}, run_id=job.resume_run_id or cfg.tracking.run_id,
@@ -215,6 +218,7 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
                 "privacy_digest": job.digest, "world_size": d.world_size, "secret": job.secret,
                 "accountant": accountant.state_dict() if accountant is not None else None,
                 "clipping": plan.clipping.state_dict() if plan.private else None,
+                "physical_batch_size": [job.step_fn.max_physical_batch_size, job.step_fn.bound_batch],
                 **({"correlated_noise": job.step_fn.noise.state_dict()} if plan.strategy is not None else {}),
                 **({"audit": canaries.state_dict(optimizer)} if canaries else {})}
 

@@ -1,7 +1,8 @@
 """One logical step of DP-SGD on one rank (the privacy contract of docs/DESIGN.md, steps 1-3).
 
 Every logical step, on every rank, whatever its Poisson batch (even empty):
-  1. per-sample gradients of the local batch, in physical micro-batches of at most ``max_physical_batch_size``;
+  1. per-sample gradients of the local batch, in physical micro-batches of at most ``max_physical_batch_size``
+     (``auto``: the size is found, never the batch changed: see GradientStep._restart);
   2. flat per-sample L2 clipping to C (workbench/privacy/clipping/), summed locally into one flat buffer;
   3. Gaussian noise of std sigma*C added by rank 0 alone (workbench/privacy/noise.py), then one all-reduce of that
      buffer, so the noise is in the sum exactly once.
@@ -14,8 +15,9 @@ Step 4, the division by the expected global batch B and the optimizer step, is t
 from __future__ import annotations
 
 import math
+import os
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -39,6 +41,25 @@ CHECK_EXAMPLES = 8  # examples the pre-run check compares against autograd's per
 
 FP16_LOSS_SCALE = 2.0 ** 10  # fp16_loss_scale's default (workbench/config.py)
 
+MEMORY_SHARE = 0.25  # max_physical_batch_size=auto on CPU: the default budget, this share of available memory
+MATERIALISED = ("hooks", "functorch", "ew", "vmap")  # modes that hold every example's gradient of every parameter
+
+
+def auto_start(expected_batch: int) -> int:
+    """Where max_physical_batch_size=auto starts (public: the margins of clipping/bound.py are computed for it): twice
+    the expected per-rank batch rounded up to a power of two, so a Poisson batch above its mean rarely splits."""
+    return 1 << max(0, math.ceil(math.log2(max(1, 2 * expected_batch))))
+
+
+def available_mib() -> float:
+    """Memory this process may still take (psutil when installed, else the OS's count of free pages), in MiB."""
+    try:
+        import psutil
+
+        return psutil.virtual_memory().available / 2**20
+    except ImportError:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20
+
 
 class GradientStep:
     """Steps 1-3 of the contract: the noised, all-reduced sum of clipped per-sample gradients for one logical step.
@@ -57,7 +78,8 @@ class GradientStep:
                  noise_multiplier: float, grad_sample_mode: str = "hooks", max_physical_batch_size: int = 512,
                  noise_seed: int = 0, autocast_dtype: torch.dtype | None = None, loss_scale: float | None = None,
                  clip_schedule: FixedClip | AdaptiveClip | None = None,
-                 noise_strategy: Any = None):
+                 noise_strategy: Any = None, expected_batch: int = 256,
+                 physical_batch_memory: float | None = None):
         self.dist, self.criterion, self.autocast_dtype = dist, criterion, autocast_dtype
         # fp16's narrow range needs the loss scaled (bf16 has float32's exponent range and needs none); see _losses
         self.scale = float(loss_scale if loss_scale is not None else
@@ -65,7 +87,14 @@ class GradientStep:
         if not (math.isfinite(self.scale) and self.scale > 0):
             raise WorkbenchError(f"the loss scale must be a finite number > 0, got {loss_scale}")
         self.clip, self.sigma, self.mode = max_grad_norm, noise_multiplier, grad_sample_mode
-        self.max_physical_batch_size = max_physical_batch_size
+        # auto: start at a public size (CPU: the pre-run probe lowers it to the memory budget, see size_micro_batches;
+        # CUDA: an out-of-memory error halves it, see _restart). The clip margins stay those of the start.
+        self.auto = max_physical_batch_size == "auto"
+        if not self.auto and not (isinstance(max_physical_batch_size, int) and max_physical_batch_size >= 1):
+            raise WorkbenchError(f"max_physical_batch_size must be an integer >= 1 or auto, got {max_physical_batch_size!r}")
+        self.max_physical_batch_size = auto_start(expected_batch) if self.auto else max_physical_batch_size
+        self.bound_batch = self.max_physical_batch_size  # the clipper's public max_batch (clipping/base.py)
+        self.physical_batch_memory = physical_batch_memory
         self.private = max_grad_norm is not None
         self.clip_schedule = (clip_schedule or FixedClip(max_grad_norm)) if self.private else None
         adaptive = self.private and self.clip_schedule.adaptive
@@ -119,7 +148,7 @@ class GradientStep:
             old.module._close()  # an Opacus wrapper skipped by auto: its hooks must not stay on the model
         self.mode = mode
         self.clipper = clipping.make(self.model, self.params, max_grad_norm=self.clip, mode=mode)
-        self.clipper.max_batch = self.max_physical_batch_size
+        self.clipper.max_batch = self.bound_batch
         self.module = self.clipper.module
 
     def _check(self, batch: Batch) -> None:
@@ -232,13 +261,9 @@ class GradientStep:
             self.clipper.unclipped = self.unclipped  # where the clipper counts (None: fixed C, nothing counted)
             self.noise.clip = clip
         if batch is not None:  # 1-2: per-sample gradients, clipped and summed into the flat buffer
-            for micro_batch in self._micro_batches(self._to_device(batch)):
-                if getattr(self.clipper, "checked", True) is False:  # normally check() ran before training
-                    # on a few examples, as run.py does: the check is one autograd call per example
-                    self._check(micro_batch.slice(0, CHECK_EXAMPLES))
-                losses = self.clipper.accumulate(micro_batch, self._losses, self.view_of)
-                self.loss_sum.add_(losses.sum() if scale == 1.0 else losses.sum() / scale)
-                self.count.add_(len(losses))
+            batch = self._to_device(batch)
+            while not self._accumulate(batch, scale):  # auto: out of memory, restarted at half the size
+                pass
         if self.noise is not None:  # 3: rank 0's noise (privacy/noise.py), every step, whatever the batch
             self.noise.add_(self._update, step, scale)
         if self.count_noise is not None:  # and the clipped count's, in the same buffer
@@ -250,6 +275,104 @@ class GradientStep:
         if released:  # the noised count, identical on every rank: so is the next C
             self.clip_schedule.update(released[0])
         return loss_sum, count
+
+    def _accumulate(self, batch: Batch, scale: float) -> bool:
+        """Steps 1-2 for the whole local batch; False when auto ran out of memory (the step restarts, see _restart)."""
+        try:
+            for i, micro_batch in enumerate(self._micro_batches(batch)):
+                if self.fault is not None:
+                    self.fault(i, len(micro_batch))
+                if getattr(self.clipper, "checked", True) is False:  # normally check() ran before training
+                    # on a few examples, as run.py does: the check is one autograd call per example
+                    self._check(micro_batch.slice(0, CHECK_EXAMPLES))
+                losses = self.clipper.accumulate(micro_batch, self._losses, self.view_of)
+                self.loss_sum.add_(losses.sum() if scale == 1.0 else losses.sum() / scale)
+                self.count.add_(len(losses))
+        except torch.cuda.OutOfMemoryError:
+            if not self.auto:
+                raise
+            self._restart()
+            return False
+        return True
+
+    fault: Callable[[int, int], None] | None = None  # tests: called with each micro-batch's index and size before it
+    # runs, to raise an out-of-memory error where a GPU would
+
+    def _restart(self) -> None:
+        """max_physical_batch_size=auto after an out-of-memory error: the same drawn batch again, at half the size.
+        Everything this step accumulated goes (clipped sums, loss sum, count, adaptive clipping's count: all in the
+        flat buffer; per-sample gradients and Opacus' kept activations), so no example is counted twice; the noise is
+        drawn after, once, from the step's own stream position. The clip margins keep the start's public size, so the
+        update never depends on when (on which realised batch) memory ran out."""
+        self.flat.zero_()
+        for p in self.params:
+            p.grad = None
+            if getattr(p, "grad_sample", None) is not None:
+                p.grad_sample = None
+        self._drop_kept_inputs()
+        if self.flat.device.type == "cuda":
+            torch.cuda.empty_cache()
+        size = self.max_physical_batch_size
+        if size <= 1:
+            raise WorkbenchError("max_physical_batch_size=auto: one example does not fit in memory (out of memory at a "
+                                 "micro-batch of 1); use a smaller model, shorter inputs or bf16=true")
+        self.max_physical_batch_size = size // 2
+        if self.dist.is_main:  # console only: when memory ran out depends on a realised (private) batch size
+            print(f"max_physical_batch_size=auto: out of memory at {size} examples per micro-batch; now "
+                  f"{size // 2}", flush=True)
+
+    def _drop_kept_inputs(self) -> None:
+        """Forget forwards never backpropagated: Opacus' hooks keep each forward's inputs and count the forwards per
+        parameter until the backward (a stale count would change how the next per-sample gradients are summed)."""
+        for m in self.model.modules():
+            if isinstance(getattr(m, "activations", None), list):
+                m.activations = []
+        for p in self.params:
+            if hasattr(p, "_forward_counter"):
+                p._forward_counter = 0
+
+    def size_micro_batches(self, batch: Any) -> None:
+        """max_physical_batch_size=auto on CPU, before training, on the pre-run check's examples: the largest
+        micro-batch whose estimated memory fits ``physical_batch_memory`` MiB (default: MEMORY_SHARE of available
+        memory), at most the public start. One example's cost: the tensors its forward saves for the backward (counted
+        twice: the backward holds their gradients too), plus, in modes that form them, its per-sample gradients."""
+        if not self.auto or self.flat.device.type == "cuda":
+            return
+        batch = self._to_device(batch)
+        budget = self.physical_batch_memory if self.physical_batch_memory is not None else \
+            MEMORY_SHARE * available_mib()
+        per_example = self.example_bytes(batch) / 2**20
+        size = min(self.max_physical_batch_size, math.floor(budget / per_example)) if per_example > 0 else \
+            self.max_physical_batch_size
+        if size < 1:
+            raise WorkbenchError(f"max_physical_batch_size=auto: one example needs about {per_example:.1f} MiB, "
+                                 f"more than physical_batch_memory={budget:.1f} MiB")
+        self.max_physical_batch_size = self.bound_batch = self.clipper.max_batch = size
+
+    def example_bytes(self, batch: Batch) -> float:
+        """Estimated bytes one example of ``batch`` holds during its step (see size_micro_batches)."""
+        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, a wrapper)
+                return t
+            if storage.data_ptr() not in params:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        was_training = self.model.training
+        self.model.train()
+        try:  # the global RNG as it was (dropout): training draws what it would have drawn without the probe
+            with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                self._losses(self.model, batch)
+        finally:
+            self.model.train(was_training)
+            self._drop_kept_inputs()
+        per_sample = self.numel * self.flat.element_size() if self.private and self.mode in MATERIALISED else 0
+        return 2 * sum(saved.values()) / max(len(batch), 1) + per_sample
 
     def divide_(self, expected_batch: float) -> None:
         """Step 4's division of every gradient by the expected batch B (and the loss scale S), in one operation on the

@@ -52,7 +52,7 @@ class UserGradientStep(GradientStep):
         super()._make(mode)
         if self.private:
             self.clipper = PerUser(self.clipper, self.clip)
-            self.clipper.max_batch = self.max_physical_batch_size
+            self.clipper.max_batch = self.bound_batch
 
     def __call__(self, item: Any, step: int) -> tuple[float, float]:
         batch, self._sizes = item

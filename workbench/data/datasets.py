@@ -109,6 +109,18 @@ class SyntheticTokens(ArrayDataset):
         super().__init__(ids, ids)
 
 
+class SyntheticSequences(ArrayDataset):
+    """Token sequences at any vocabulary size (the benchmark presets' 30k and 50k; SyntheticTokens' Markov chain costs
+    vocab^2 to build): ids drawn uniformly. ``num_classes``: examples are (ids, class), the class read off the first
+    token (ids[0] mod num_classes); None: (ids, ids), labels the inputs, for a causal language model."""
+
+    def __init__(self, size: int = 1024, length: int = 256, vocab: int = 30522, num_classes: int | None = None,
+                 seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab, (size, length), generator=g)
+        super().__init__(ids, ids if num_classes is None else ids[:, 0] % num_classes)
+
+
 class CIFAR10(ArrayDataset):
     """The real CIFAR-10 from its python-pickle folder, as ``torchvision.datasets.CIFAR10(root, train,
     download=False)`` reads it: ``root/cifar-10-batches-py/data_batch_1..5`` (train) or ``test_batch`` (eval), each a

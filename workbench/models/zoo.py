@@ -60,16 +60,19 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-    """A small ResNet for 3x32x32 images (CIFAR-10): a 3x3 stem, one BasicBlock per stage (each stage after the first
-    halves the resolution and doubles the width), global average pooling, a linear head. GroupNorm, not BatchNorm:
-    BatchNorm mixes the examples of a batch, so an example's gradient would not be its own."""
+    """A ResNet for 3x32x32 images (CIFAR-10): a 3x3 stem, ``blocks`` BasicBlocks per stage (default one; each stage
+    after the first halves the resolution at its first block), global average pooling, a linear head. ResNet-18 is
+    widths (64, 128, 256, 512) with blocks 2. GroupNorm, not BatchNorm: BatchNorm mixes the examples of a batch, so an
+    example's gradient would not be its own."""
 
-    def __init__(self, num_classes: int = 10, widths: Sequence[int] = (16, 32, 64), groups: int = 4, in_channels: int = 3):
+    def __init__(self, num_classes: int = 10, widths: Sequence[int] = (16, 32, 64), groups: int = 4, in_channels: int = 3,
+                 blocks: int = 1):
         super().__init__()
         stages, width = [_conv_norm(in_channels, widths[0], 3, 1, groups), nn.ReLU()], widths[0]
         for i, w in enumerate(widths):
-            stages.append(BasicBlock(width, w, 1 if i == 0 else 2, groups))
-            width = w
+            for b in range(blocks):
+                stages.append(BasicBlock(width, w, 2 if i > 0 and b == 0 else 1, groups))
+                width = w
         self.features = nn.Sequential(*stages)
         self.head = nn.Linear(width, num_classes)
 
