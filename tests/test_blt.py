@@ -275,3 +275,19 @@ def test_a_sweep_of_blt_points_composes_each_distinct_mechanism():
     both = profile_epsilon([(loose, 30), (tight, 30)], DELTA, "poisson")
     assert both >= profile_epsilon([(loose, 30)], DELTA, "poisson") > \
         profile_epsilon([(tight, 30)], DELTA, "poisson")
+
+
+@pytest.mark.parametrize("mechanism", [["privacy.mechanism=bandmf", "privacy.num_bands=2"],
+                                       ["privacy.mechanism=blt", "privacy.blt_buffers=2"]], ids=["bandmf", "blt"])
+def test_correlated_noise_trains_a_lora_adapter_and_leaves_the_base_as_it_was(make_cfg, mechanism):
+    """LoRA: the correlated noise lives in the flat buffer of the trainable parameters, the adapter's alone: the base
+    stays frozen, the adapter's B matrices (zero at the start) move, and the run's epsilon is its mechanism's."""
+    from workbench import train
+
+    result = train(make_cfg("experiment=lm_lora", *mechanism, "max_steps=4", "tracking.enabled=false",
+                            "privacy.secure_seed=5"))
+    assert result.steps == 4 and 0 < result.epsilon <= 8.0
+    trainable = {n: p for n, p in result.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    lora_b = [p for n, p in trainable.items() if "lora_B" in n]
+    assert lora_b and all(p.abs().sum() > 0 and torch.isfinite(p).all() for p in lora_b)
