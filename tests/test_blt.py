@@ -279,7 +279,7 @@ def test_a_sweep_of_blt_points_composes_each_distinct_mechanism():
 
 @pytest.mark.parametrize("mechanism", [["privacy.mechanism=bandmf", "privacy.num_bands=2"],
                                        ["privacy.mechanism=blt", "privacy.blt_buffers=2"]], ids=["bandmf", "blt"])
-def test_correlated_noise_trains_a_lora_adapter_and_leaves_the_base_as_it_was(make_cfg, mechanism):
+def test_correlated_noise_trains_a_lora_adapter_and_only_the_adapter(make_cfg, mechanism):
     """LoRA: the correlated noise lives in the flat buffer of the trainable parameters, the adapter's alone: the base
     stays frozen, the adapter's B matrices (zero at the start) move, and the run's epsilon is its mechanism's."""
     from workbench import train
