@@ -358,3 +358,18 @@ def test_an_adaptive_clipping_audit_reads_each_step_at_its_own_clip_norm(make_cf
     a = result.audit
     assert checkpoint.load(result.checkpoint)["clipping"]["clip_norm"] < 0.5  # C fell far from its start (1.0)
     assert a.ideal_lower_bound > 1 and a.epsilon_lower_bound > 1 and a.epsilon_lower_bound < result.epsilon, a
+
+
+def test_a_blt_audit_runs_the_final_model_observer_alone_and_stays_below_its_epsilon(make_cfg):
+    """blt: no white-box likelihood ratio is built for its noise, so the audit scores the final model alone (one
+    observer in the Bonferroni family, no ideal bound) and still catches a leaky run, below its reported epsilon."""
+    from workbench import train
+    from workbench.privacy.auditing.bound import guess_counts
+
+    result = train(make_cfg("audit=canaries", "audit.canaries=500", "data=synthetic", "data.train.size=1000",
+                            "max_steps=40", "per_device_train_batch_size=64", "privacy.mechanism=blt",
+                            "privacy.blt_buffers=2", "privacy.noise_multiplier=0.3", "privacy.target_epsilon=null",
+                            "privacy.secure_seed=12", "tracking.enabled=false"))
+    a = result.audit
+    assert a.observer == "final_model" and a.tests == len(guess_counts(a.canaries)) and a.ideal_lower_bound is None
+    assert 0.5 < a.epsilon_lower_bound < result.epsilon, (a, result.epsilon)

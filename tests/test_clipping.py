@@ -253,20 +253,16 @@ def test_book_keeping_matches_the_per_example_loop(case, physical):
 
 
 @pytest.mark.parametrize("case", ["tiny_transformer", "conv2d", "lora"])
-def test_book_keeping_in_bf16_is_as_close_as_bf16_allows(case):
+def test_bf16_weights_are_refused_and_bf16_autocast_is_the_way(case):
+    """bf16 *weights* would make the clipped sum, its noise and the count bf16 (each addition rounded at 2^-9 of the
+    total: one example could move it by more than C), so a private step refuses them, naming the fix; bf16 compute
+    over float32 weights (autocast, below) keeps the contract."""
     make, data = CASES[case]
     x = data()
     y = torch.randint(0, 3, (len(x),), generator=torch.Generator().manual_seed(4))
-    torch.manual_seed(0)
-    model = make().to(torch.bfloat16)
-    xb = x.to(torch.bfloat16) if x.is_floating_point() else x
-    reference = clipped_sum(model, rows(xb, y), CLIP, dtype=torch.bfloat16).grads  # the loop, in bf16
-    torch.manual_seed(0)
-    got = _bk_sum(make().to(torch.bfloat16), xb, y, CLIP)
-    for g, e in zip(got, reference):
-        assert g.dtype == torch.bfloat16
-        scale = float(e.abs().max()) + 1e-3
-        assert float((g.float() - e).abs().max()) <= 0.05 * scale
+    with pytest.raises(WorkbenchError, match="DP-SGD needs float32 .* set bf16=true") as e:
+        _bk_sum(make().to(torch.bfloat16), x.to(torch.bfloat16) if x.is_floating_point() else x, y, CLIP)
+    assert "\n" not in str(e.value)
 
 
 def test_auto_picks_book_keeping_for_every_covered_layer_and_refuses_what_it_cannot_see():

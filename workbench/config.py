@@ -370,9 +370,6 @@ def validate(cfg: DictConfig) -> None:
     _check_unit(cfg)
     # The mechanism's own refusals (unknown, shard, clipping, unit) are workbench/privacy/mechanism.py's
     # mechanism_kind, asked by config.validate's callers (a layer above this one) right after it.
-    if p.enabled and p.mechanism == "blt" and cfg.audit.enabled:
-        raise WorkbenchError("audit=canaries cannot audit privacy.mechanism=blt yet (its observer "
-                             "whitens bandmf's banded noise only); use privacy.mechanism=dpsgd or bandmf, or audit=none")
     if p.accountant not in ("pld", "rdp", "prv"):
         raise WorkbenchError(f"privacy.accountant={p.accountant!r} is unknown; choose one of pld, rdp, prv")
     if cfg.bf16 and cfg.fp16:

@@ -292,7 +292,7 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
                            d.rank, start_step)
     named = [(name, prm) for name, prm in model.named_parameters() if prm.requires_grad]
     if canaries:
-        coefficients = step_fn.noise.c if plan.strategy is not None else None  # bandmf: the noise's own (a resume's)
+        coefficients = step_fn.noise.c if plan.kind == "bandmf" else None  # the noise's own (a resume's); blt: none
         user_callbacks.append(canaries.start(secret, cfg.seed, canary_clip, plan, coefficients))
         if start_step:  # where the checkpoint left the audit (the run folder's private state)
             canaries.load_state_dict(state.get("audit"), start_step)

@@ -69,7 +69,8 @@ def closing_line(metrics: dict[str, float], epsilon: float | None, delta: float 
         parts.append(f"epsilon={epsilon:.3f} at delta={delta:.1e}" + (" per user" if unit == "user" else ""))
     if audit is not None:
         parts.append(f"audit: epsilon>={audit.epsilon_lower_bound:.3f}" + (" per user" if audit.unit == "user" else "")
-                     + f" (ideal {audit.ideal_lower_bound:.3f})")
+                     + (f" (ideal {audit.ideal_lower_bound:.3f})" if audit.ideal_lower_bound is not None else
+                        f" ({audit.observer} observer alone)"))
     parts.append(f"steps={steps}")
     if job_id is not None:
         parts.append(f"job_id={job_id}")

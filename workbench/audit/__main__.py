@@ -22,7 +22,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = result.audit
     per, what = (" per user", "canary users") if a.unit == "user" else ("", "canaries")
     print(f"audit: epsilon >= {a.epsilon_lower_bound:.3f}{per} ({a.correct}/{a.guesses} correct, {a.observer} observer, "
-          f"{a.canaries} {what}, {a.tests} tests at significance {a.significance}); ideal {a.ideal_lower_bound:.3f}; "
+          f"{a.canaries} {what}, {a.tests} tests at significance {a.significance}); "
+          f"{'ideal ' + format(a.ideal_lower_bound, '.3f') if a.ideal_lower_bound is not None else 'no ideal bound'}; "
           f"reported epsilon {result.epsilon if result.epsilon is not None else 'inf (privacy=none)'}{per}")
     return 0
 
