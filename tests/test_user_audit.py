@@ -89,18 +89,6 @@ def test_mapping_examples_keep_a_one_line_refusal():
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("overrides, says", [
-    (["privacy.mechanism=bandmf"], "does not support audit=canaries with privacy.mechanism=bandmf"),
-    (["privacy.clipping=adaptive"], "privacy.clipping=adaptive"),
-])
-def test_unsupported_user_level_audits_are_refused_in_one_line(make_cfg, overrides, says):
-    from workbench.run import train
-
-    with pytest.raises(WorkbenchError, match=says) as e:
-        train(make_cfg("tracking=off", "experiment=users", "audit=canaries", *overrides))
-    assert "\n" not in str(e.value)
-
-
 # --------------------------------------------------------------------------- real runs (slow: tens of seconds each)
 
 # 1000 users + 1000 canary users, expected batch 256 users: q_user = 0.128 per step (as tests/test_audit.py's examples).
@@ -205,3 +193,49 @@ def test_two_ranks_with_shard_global_observe_the_same_updates_and_catch_a_weak_u
         dp_accounting.dp_event.MixtureOfGaussiansDpEvent(0.5, [0, 1, 2], probs), 80))
     assert epsilon == pytest.approx(acc.get_epsilon(delta), rel=1e-6)
     assert 3 < a.epsilon_lower_bound <= epsilon, a
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("combined", [["privacy.mechanism=bandmf", "privacy.num_bands=2"], ["privacy.clipping=adaptive"]],
+                         ids=["bandmf", "adaptive"])
+def test_canary_users_audit_bandmf_and_adaptive_clipping_runs_below_their_epsilon_per_user(make_cfg, combined):
+    """bandmf: each canary user's band is its user position's part (after the data's users), as the cyclic sampler
+    over users draws it; adaptive: the canary user's mean gradient follows C_t. A weak run is caught by the white-box
+    observer, the bound stays below the reported epsilon per user, and so does the simulated ideal."""
+    from workbench import train
+
+    result = train(make_cfg(*_RUN, "max_steps=40", "privacy.noise_multiplier=0.5", "privacy.target_epsilon=null",
+                            "audit.canaries=500", "tracking=off", *combined))
+    a = result.audit
+    assert a.unit == "user" and a.canaries == 500
+    assert 1 < a.epsilon_lower_bound <= result.epsilon and 0 < a.ideal_lower_bound <= result.epsilon, a
+
+
+def test_canary_users_are_scored_in_the_part_the_cyclic_user_sampler_draws_them_from():
+    """bandmf over users: the observer's band for canary user j is the part of its user position (after the data's
+    users), which is the part the cyclic sampler over users draws it from, on every rank."""
+    from types import SimpleNamespace
+
+    from workbench.privacy.cyclic import banded_shard
+    from workbench.privacy.users import UserCyclicSampler
+
+    data = SyntheticUsers(num_users=50, size_scale=5, in_features=4, num_classes=3)
+    m, world = 21, 2
+    audit = CanaryAudit(m, data, 0.05)
+    index = audit.users(index_users(data.users.tolist(), cap=2, seed=0))
+    # bands such that a canary's slot index and its user position are in different parts: the test tells them apart
+    b = next(b for b in (3, 4, 5, 7) if (len(data) - (len(index) - m)) % b)
+    plan = SimpleNamespace(sample_rate=0.2, world_size=world, shard_mode="per_rank", gradient_noise_multiplier=1.0,
+                           expected_batch=8, users=index, unit="user")
+    observer = audit.start(secret=3, seed=0, clip=lambda: 1.0, mechanism=plan, coefficients=(1.0,) + (0.5,) * (b - 1))
+    canary_positions = {len(index) - m + j: int(observer.bands[j]) for j in range(m)}
+    seen = set()
+    for rank in range(world):
+        shard = banded_shard(user_shard(index, rank, world, "per_rank", 4), b, world)
+        sampler = UserCyclicSampler(shard, b, 9, seed=0, rank=rank, index=index)
+        for t in range(9):
+            for position in sampler.part(t):
+                if position in canary_positions:
+                    assert canary_positions[position] == t % b, (rank, t, position)
+                    seen.add(position)
+    assert seen  # canary users are drawn from these parts at all (not all cut off by the shards)

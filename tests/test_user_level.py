@@ -226,8 +226,6 @@ def test_a_resumed_user_level_run_ends_bit_exact(make_cfg):
     (["data=synthetic", "privacy.unit=user"], "needs data.user_key"),
     (["experiment=users", "privacy.max_examples_per_user=0"], "privacy.max_examples_per_user must be >= 1"),
     (["experiment=users", "privacy.unit=person"], "privacy.unit='person' is unknown"),
-    (["experiment=users", "audit=canaries", "privacy.mechanism=bandmf"], "does not support audit=canaries with"),
-    (["experiment=users", "audit=canaries", "privacy.clipping=adaptive"], "does not support audit=canaries with"),
     (["experiment=users", "privacy.grad_sample_mode=bk"], "does not support grad_sample_mode=bk"),
     (["experiment=users", "privacy=none", "privacy.unit=user"], "does not support privacy.enabled=false"),
     (["experiment=users", "max_physical_batch_size=4"], "more than max_physical_batch_size=4"),

@@ -393,10 +393,7 @@ def _check_unit(cfg: DictConfig) -> None:
         return
     why = ("privacy.enabled=false (a non-private baseline has no unit: add privacy.unit=example)" if not p.enabled else
            "grad_sample_mode=bk (it never forms the per-example gradients a user's mean is made of)"
-           if p.grad_sample_mode == "bk" else
-           f"audit=canaries with {f'privacy.mechanism={p.mechanism}' if p.mechanism != 'dpsgd' else 'privacy.clipping=adaptive'}"
-           " (the canary users' bands and C_t are not wired into the audit yet; use audit=none)"
-           if cfg.audit.enabled and (p.mechanism != "dpsgd" or p.clipping != "fixed") else None)
+           if p.grad_sample_mode == "bk" else None)
     if why:
         raise WorkbenchError(f"privacy.unit=user does not support {why}")
     if OmegaConf.select(cfg, "data.user_key") is None:

@@ -245,7 +245,11 @@ class CanaryAudit:
         if coefficients is not None:  # each slot's cyclic part, as the sampler draws it
             from workbench.privacy.cyclic import part_of
 
-            self.bands = part_of(self.dataset.n + np.arange(self.m), len(coefficients))
+            # its position among what the sampler parts: the slot's index, or (user level) its canary user's
+            # position, after the data's users (users.py's with_canary_users)
+            users = getattr(mechanism, "users", None)
+            first = len(users) - self.m if getattr(mechanism, "unit", "example") == "user" else self.dataset.n
+            self.bands = part_of(first + np.arange(self.m), len(coefficients))
         sigma = mechanism.gradient_noise_multiplier  # sigma_g with adaptive clipping: the gradient slots' noise
         self.observer = WhiteBoxObserver(self.m, clip, mechanism.expected_batch, sigma, self.probs,
                                          coefficients or (1.0,), self.bands)
