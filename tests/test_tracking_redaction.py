@@ -72,12 +72,16 @@ def test_a_pinned_seed_is_redacted_from_every_text_of_the_config_and_kept_out_of
     from workbench import compose
     from workbench.tracking import flatten, redacted
 
-    cfg = compose(["privacy.secure_seed=90210", "tracking.run_name=run_90210", "output_dir=outputs/s90210/x"])
+    cfg = compose(["privacy.secure_seed=902101", "tracking.run_name=run_902101", "output_dir=outputs/s902101/x"])
     shown = flatten(redacted(cfg))
     assert shown["privacy.secure_seed"] == "<redacted>"
     assert shown["tracking.run_name"] == "run_<redacted>" and shown["output_dir"] == "outputs/s<redacted>/x"
-    assert not [k for k, v in shown.items() if "90210" in str(v)]
-    assert flatten(redacted(compose(["seed=90210"])))["seed"] == 90210  # unpinned: nothing is a secret
+    assert not [k for k, v in shown.items() if "902101" in str(v)]
+    assert flatten(redacted(compose(["seed=902101"])))["seed"] == 902101  # unpinned: nothing is a secret
+    # A short pinned seed (guessed by trying them all anyway) is redacted from its field and overrides only: its
+    # digits alone would garble every text.
+    small = flatten(redacted(compose(["privacy.secure_seed=1", "tracking.run_name=BatchNorm1d-1"])))
+    assert small["privacy.secure_seed"] == "<redacted>" and small["tracking.run_name"] == "BatchNorm1d-1"
     conf = str(Path(__file__).resolve().parent.parent / "conf")
     with initialize_config_dir(config_dir=conf, version_base=None):
         hc = hydra_compose("config", ["privacy.secure_seed=5", "seed=3"], return_hydra_config=True)

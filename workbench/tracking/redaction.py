@@ -26,11 +26,17 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 _SECRET_OVERRIDE = re.compile(r"(secure_seed\s*[=:]\s*)(.*?)(?=\s+[+~]{0,2}[\w./-]+\s*=|$)", re.M)
 
 
+# A pinned seed's digits are redacted wherever they stand alone only from this many digits on: a shorter seed is
+# guessed by trying them all anyway (README), and its digits ("1") would garble every text ("BatchNorm1d").
+SECRET_DIGITS = 6
+
+
 def scrub(text: str, secret: Any = None) -> str:
     """Text as MLflow may show it: whoever knows a pinned secure_seed can strip the noise and see the batches. With
-    the pinned ``secret``, also its digits wherever they stand alone (a run name or folder built from it)."""
+    the pinned ``secret`` (of ``SECRET_DIGITS`` digits or more), also its digits wherever they stand alone (a run name
+    or folder built from it)."""
     text = _SECRET_OVERRIDE.sub(r"\1<redacted>", text)
-    if secret is not None:
+    if secret is not None and len(str(abs(int(secret)))) >= SECRET_DIGITS:
         text = re.sub(rf"(?<!\d){abs(int(secret))}(?!\d)", "<redacted>", text)
     return text
 
