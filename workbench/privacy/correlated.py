@@ -112,7 +112,34 @@ def check_coefficients(c: Any, num_bands: int) -> tuple[float, ...]:
     return c
 
 
-class BandedNoise:
+class _StreamedNoise:
+    """What BandedNoise and BLTNoise share: noise.GaussianNoise's interface (``seed``, ``clip``, ``adds``, ``add_``),
+    buffers kept between steps on rank 0 alone (empty elsewhere), and steps asked in order from the resumed one."""
+
+    def __init__(self, name: str, rows: int, noise_multiplier: float, max_grad_norm: float, numel: int, rank: int,
+                 device: torch.device | str, seed: int, dtype: torch.dtype):
+        self.name = name
+        self.sigma, self.clip, self.numel, self.rank, self.seed = noise_multiplier, max_grad_norm, numel, rank, seed
+        self.adds = self.sigma > 0 and self.rank == 0
+        size = numel if self.adds else 0
+        self._draw = torch.empty(size, device=device, dtype=dtype)
+        self.kept = torch.zeros(rows, size, device=device, dtype=dtype)  # secret: past noise, zero at step 0
+        self.next_step = 0
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the noise keeps between steps and draws into (bandmf: b x numel elements; blt: (d + 1) x numel)."""
+        return (self.kept.numel() + self._draw.numel()) * self._draw.element_size()
+
+    def _fresh(self, update: torch.Tensor, step: int) -> torch.Tensor:
+        """Step ``step``'s fresh N(0, I) draw z_t, from the run's secret noise stream (refused out of order)."""
+        if step != self.next_step:
+            raise WorkbenchError(f"{self.name} noise asked for step {step} but its buffers are at step {self.next_step}")
+        g = step_generator(self.seed, 0, step, stream=NOISE_STREAM, device=update.device)
+        return torch.randn(self.numel, generator=g, device=update.device, out=self._draw)
+
+
+class BandedNoise(_StreamedNoise):
     """Adds sigma C S (C^{-1} Z)_t to the flat update on rank 0 (nothing on other ranks, or with sigma = 0).
 
     Same interface as noise.GaussianNoise (``seed``, ``clip``, ``adds``, ``add_``), plus the checkpointed ring
@@ -122,26 +149,13 @@ class BandedNoise:
     def __init__(self, coefficients: tuple[float, ...], noise_multiplier: float, max_grad_norm: float, numel: int,
                  rank: int, device: torch.device | str = "cpu", seed: int = 0, dtype: torch.dtype = torch.float32):
         self.c = check_coefficients(coefficients, len(coefficients))
-        self.sigma, self.clip, self.numel, self.rank, self.seed = noise_multiplier, max_grad_norm, numel, rank, seed
-        self.adds = self.sigma > 0 and self.rank == 0
-        b = len(self.c)
-        size = numel if self.adds else 0
-        self._draw = torch.empty(size, device=device, dtype=dtype)
-        self.ring = torch.zeros(b - 1, size, device=device, dtype=dtype)  # w_{t-1}..w_{t-b+1}, slot t mod (b-1)
-        self.next_step = 0
-
-    @property
-    def memory_bytes(self) -> int:
-        """What the noise keeps between steps and draws into: b x numel elements."""
-        return (self.ring.numel() + self._draw.numel()) * self._draw.element_size()
+        super().__init__("bandmf", len(self.c) - 1, noise_multiplier, max_grad_norm, numel, rank, device, seed, dtype)
+        self.ring = self.kept  # w_{t-1}..w_{t-b+1}, slot t mod (b-1)
 
     def add_(self, update: torch.Tensor, step: int, scale: float = 1.0) -> None:
         if not self.adds:
             return
-        if step != self.next_step:
-            raise WorkbenchError(f"bandmf noise asked for step {step} but its buffer is at step {self.next_step}")
-        g = step_generator(self.seed, 0, step, stream=NOISE_STREAM, device=update.device)
-        w = torch.randn(self.numel, generator=g, device=update.device, out=self._draw)
+        w = self._fresh(update, step)
         slots = len(self.c) - 1
         for j in range(1, min(step, slots) + 1):  # w_{t-j} for t - j >= 0 (the matrix starts at step 0)
             w.sub_(self.ring[(step - j) % slots], alpha=self.c[j])
@@ -174,7 +188,7 @@ class BandedNoise:
         self.next_step = step
 
 
-class BLTNoise:
+class BLTNoise(_StreamedNoise):
     """Adds sigma C_clip (C^{-1} Z)_t to the flat update on rank 0, C the BLT ``blt`` (blt.py), by solving C x = z
     forward with C's own parameters (Algorithm 3 of arXiv:2408.08868): x_t = z_t - sum_i s_i u_i, then
     u_i <- theta_i u_i + x_t, so u_i = sum_{j<t} theta_i^(t-1-j) x_j. Same interface and step-order rule as
@@ -184,25 +198,13 @@ class BLTNoise:
                  device: torch.device | str = "cpu", seed: int = 0, dtype: torch.dtype = torch.float32):
         self.blt = check_blt(blt.buf_decay, blt.output_scale, len(blt.buf_decay))
         self.decay, self.scale = self.blt.buf_decay, self.blt.output_scale
-        self.sigma, self.clip, self.numel, self.rank, self.seed = noise_multiplier, max_grad_norm, numel, rank, seed
-        self.adds = self.sigma > 0 and self.rank == 0
-        size = numel if self.adds else 0
-        self._draw = torch.empty(size, device=device, dtype=dtype)
-        self.buffers = torch.zeros(len(self.decay), size, device=device, dtype=dtype)
-        self.next_step = 0
-
-    @property
-    def memory_bytes(self) -> int:
-        """What the noise keeps between steps and draws into: (d + 1) x numel elements."""
-        return (self.buffers.numel() + self._draw.numel()) * self._draw.element_size()
+        super().__init__("blt", len(self.decay), noise_multiplier, max_grad_norm, numel, rank, device, seed, dtype)
+        self.buffers = self.kept  # u_1..u_d
 
     def add_(self, update: torch.Tensor, step: int, scale: float = 1.0) -> None:
         if not self.adds:
             return
-        if step != self.next_step:
-            raise WorkbenchError(f"blt noise asked for step {step} but its buffers are at step {self.next_step}")
-        g = step_generator(self.seed, 0, step, stream=NOISE_STREAM, device=update.device)
-        x = torch.randn(self.numel, generator=g, device=update.device, out=self._draw)
+        x = self._fresh(update, step)
         for i, s in enumerate(self.scale):  # x_t = z_t - (C's row t below the diagonal) . x_{<t}
             x.sub_(self.buffers[i], alpha=s)
         for i, theta in enumerate(self.decay):
