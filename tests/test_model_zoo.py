@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.oracle import CLIPPED_RTOL
+from tests.oracle import CLIPPED_RTOL, clipped_sum, rows
 from workbench.distributed import setup
 from workbench.errors import WorkbenchError
 from workbench.step import GradientStep
@@ -210,3 +210,79 @@ def test_a_model_no_mode_can_clip_is_refused_by_auto_with_the_module_to_blame():
     with pytest.raises(WorkbenchError, match=r"^grad_sample_mode=auto found no mode that clips this model exactly: the model mixes "
                                           r"examples in model\.1 \(Center\)"):
         step.check((x, y))
+
+
+class MinGPT(nn.Module):
+    """Attention as the makemore/minGPT lectures write it: a causal mask kept as a buffer of the model's own module
+    (with a raw position table sliced to the sequence), q/k/v Linears without bias. Opacus' hooks refuse a module that
+    has both buffers and trainable layers; bk's per-example copy of ``pos`` cannot be sliced to T."""
+
+    def __init__(self, vocab=11, t=6, d=8):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.randn(t, d) * 0.1)
+        self.key, self.query, self.value = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.register_buffer("tril", torch.tril(torch.ones(t, t)))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, 3)
+
+    def forward(self, ids):
+        t = ids.shape[1]
+        x = self.emb(ids) + self.pos[:t]
+        w = self.query(x) @ self.key(x).transpose(-2, -1) * x.shape[-1] ** -0.5
+        x = x + w.masked_fill(self.tril[:t, :t] == 0, float("-inf")).softmax(-1) @ self.value(x)
+        return self.head(self.ln(x).mean(1))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's habits: the token embedding tied to the LM head, LayerNorm without bias (which Opacus' hooks crash
+    on), F.scaled_dot_product_attention with is_causal, positions looked up with torch.arange(T)."""
+
+    def __init__(self, vocab=11, t=6, d=8):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(t, d)
+        self.ln, self.qkv, self.proj = nn.LayerNorm(d, bias=False), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, ids):
+        b, t = ids.shape
+        x = self.wte(ids) + self.wpe(torch.arange(t, device=ids.device))
+        q, k, v = (h.view(b, t, 2, -1).transpose(1, 2) for h in self.qkv(self.ln(x)).chunk(3, -1))
+        x = x + self.proj(nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+                          .reshape(b, t, -1))
+        return self.lm_head(x)[:, -1, :3]  # the next token, as 3 classes
+
+
+@pytest.mark.parametrize("cls, said", [(MinGPT, "hooks skipped: NotImplementedError: "),
+                                       (NanoGPT, "hooks skipped: AttributeError: ")])
+def test_auto_skips_a_mode_whose_own_machinery_fails_on_the_model_and_clips_it_exactly(cls, said):
+    """A mode that crashes on a model (Opacus refusing its module layout, or failing inside a hook) is skipped as a
+    failed check is, said in one line, and the next mode clips exactly: here vmap, against the float64 loop."""
+    make = _made(cls)
+    torch.manual_seed(1)
+    x, y = torch.randint(0, 11, (9, 6)), torch.randint(0, 3, (9,))
+    step = _step(make(), "auto", physical=4)
+    step.check((x[:8], y[:8]))
+    assert step.mode == "vmap" and said in step.mode_note and "\n" not in step.mode_note, step.mode_note
+    if cls is NanoGPT:  # the faster mode left out before any check says why too
+        assert "bk skipped: cannot clip a parameter shared between layers (tied weights)" in step.mode_note
+    step((x, y), step=0)
+    for p, e in zip(step.params, clipped_sum(make(), rows(x, y), CLIP).grads):
+        torch.testing.assert_close(p.grad.double(), e, rtol=CLIPPED_RTOL, atol=1e-7)
+
+
+def test_a_model_that_fails_by_itself_keeps_its_own_error_under_auto():
+    """auto skips a mode only when the bare model works: a model's own bug is raised as it is, not hidden behind
+    'no mode clips this model'."""
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(24, 3)
+
+        def forward(self, x):
+            return self.fc(x) @ torch.ones(4, 3)  # a shape bug of the user's own
+
+    x, y = _data(8)
+    step = _step(Broken(), "auto")
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        step.check((x, y))
+    assert step.skipped == [] and step.mode == "bk"

@@ -27,6 +27,24 @@ SHAPE_ERROR = re.compile(
 AUTO_FIX = "use grad_sample_mode=auto (it falls back to per-example gradients of the whole model) or "
 
 
+def one_line(e: BaseException) -> str:
+    """An exception a library raised, in one line (a repr's escaped newlines too): auto's reason to skip a mode."""
+    return f"{type(e).__name__}: {' '.join(str(e).replace(chr(92) + 'n', ' ').split())}"
+
+
+def fails_alone(losses: Callable[[], torch.Tensor], params: list[nn.Parameter]) -> bool:
+    """Whether the bare model's forward (``losses()``) and backward fail with no clipping mode around it: then the
+    failure is the model's or the data's, and no other mode helps. Gradients are taken, never accumulated, and the
+    random state is restored (dropout's draws here must not shift training's)."""
+    cuda = [params[0].device] if params[0].device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            torch.autograd.grad(losses().sum(), params, allow_unused=True)
+    except Exception:  # noqa: BLE001 - any failure of the bare model is its own
+        return True
+    return False
+
+
 def path(name: str) -> str:
     return f"model.{name}" if name else "model"
 

@@ -115,6 +115,8 @@ class GradientStep:
         self.candidates = clipping.candidate_modes(model, autocast_dtype is not None) \
             if self.private and self.mode == "auto" else []
         self.skipped: list[tuple[str, str, str | None]] = []  # (mode, why auto skipped it, the module to blame)
+        for mode, reason in clipping.ruled_out(model, autocast_dtype is not None) if self.candidates else []:
+            self._skip(mode, reason)
         self.mode_note = ""
         self._make(self.candidates[0] if self.candidates else self.mode)
         if self.private and autocast_dtype is not None and self.mode == "ew":
@@ -143,13 +145,33 @@ class GradientStep:
         self.count_noise = CountNoise(self.clip_schedule.count_noise, dist.rank, noise_seed) if adaptive else None
 
     def _make(self, mode: str) -> None:
-        old = getattr(self, "clipper", None)
-        if old is not None and old.module is not self.model and hasattr(old.module, "_close"):
-            old.module._close()  # an Opacus wrapper skipped by auto: its hooks must not stay on the model
+        """The strategy for ``mode``. With auto, a mode whose wrapper cannot be built for this model (Opacus refusing
+        it in its own words) is skipped for the next, as a failed pre-run check is."""
+        self._drop_clipper()
         self.mode = mode
-        self.clipper = clipping.make(self.model, self.params, max_grad_norm=self.clip, mode=mode)
+        try:
+            self.clipper = clipping.make(self.model, self.params, max_grad_norm=self.clip, mode=mode)
+        except Exception as e:  # noqa: BLE001 - any failure of a candidate's wrapper: the next candidate may fit
+            later = self._later()
+            if not later or isinstance(e, WorkbenchError):
+                raise
+            self._skip(mode, model_checks.one_line(e))
+            return self._make(later[0])
         self.clipper.max_batch = self.bound_batch
         self.module = self.clipper.module
+
+    def _drop_clipper(self) -> None:
+        old, self.clipper = getattr(self, "clipper", None), None
+        if old is not None and old.module is not self.model and hasattr(old.module, "_close"):
+            old.module._close()  # an Opacus wrapper skipped by auto: its hooks must not stay on the model
+
+    def _later(self) -> list[str]:
+        """auto: the candidates after the current mode (none when the mode was named)."""
+        return self.candidates[self.candidates.index(self.mode) + 1:] if self.mode in self.candidates else []
+
+    def _skip(self, mode: str, reason: str, why: str | None = None) -> None:
+        self.skipped.append((mode, reason if len(reason) <= 200 else reason[:200].rsplit(" ", 1)[0] + " ...", why))
+
 
     def _check(self, batch: Batch) -> None:
         """The strategy's pre-run check. With auto, a mode that fails it is skipped for the next (the reason kept for
@@ -162,7 +184,7 @@ class GradientStep:
                 if not self.private or not str(e).startswith(f"grad_sample_mode={self.mode}"):
                     raise  # not the mode's (the criterion, the model's own forward): no other mode helps
                 why = model_checks.explain_not_own(self.model, lambda b: b.forward(self.model), batch)
-                later = self.candidates[self.candidates.index(self.mode) + 1:] if self.mode in self.candidates else []
+                later = self._later()
                 if not later and self.candidates:  # auto: the module to blame, found by any mode's failure
                     why = why or next((w for _, w, found in self.skipped if found), None)
                     why = why and why.replace(model_checks.AUTO_FIX, "")  # auto tried them all: not a fix here
@@ -172,16 +194,22 @@ class GradientStep:
                     raise WorkbenchError(f"grad_sample_mode={self.mode}: {why}" if why and "is not its own" in str(e)
                                          else str(e)) from e
                 reason = (why or str(e).removeprefix(f"grad_sample_mode={self.mode}").lstrip(" :")).split(";")[0]
-                if len(reason) > 200:  # one line per skipped mode: cut at a word, and say it was cut
-                    reason = reason[:200].rsplit(" ", 1)[0] + " ..."
-                self.skipped.append((self.mode, reason, why))
+                self._skip(self.mode, reason, why)
+                self._make(later[0])
+            except Exception as e:  # noqa: BLE001 - a mode's own machinery failing on this model (auto: the next)
+                if not self.candidates:
+                    raise  # a mode the user named: its own error, as it came
+                later, mode = self._later(), self.mode
+                self._drop_clipper()
+                if model_checks.fails_alone(lambda: self._precise_losses(self.model, batch), self.params):
+                    raise  # the model's or the data's failure, not the mode's: no other mode helps
+                self._skip(mode, model_checks.one_line(e))
+                if not later:
+                    raise WorkbenchError("grad_sample_mode=auto found no mode that clips this model exactly: " + "; ".join(
+                        f"{m}: {reason}" for m, reason, _ in self.skipped)) from e
                 self._make(later[0])
         if self.candidates:
-            said: dict[str, list[str]] = {}  # one reason, every mode it ruled out
-            for mode, reason, _ in self.skipped:
-                said.setdefault(reason, []).append(mode)
-            skipped = "; ".join(f"{', '.join(modes)} skipped: {reason}" for reason, modes in said.items())
-            self.mode_note = f"grad_sample_mode=auto: {self.mode}" + (f" ({skipped})" if skipped else "")
+            self.mode_note = clipping.auto_note(self.mode, [(m, reason) for m, reason, _ in self.skipped])
 
     @property
     def noise_seed(self) -> int:

@@ -17,7 +17,7 @@ from workbench.privacy.clipping import book_keeping
 from workbench.privacy.clipping.base import LossFn
 from workbench.errors import WorkbenchError
 
-__all__ = ["LossFn", "candidate_modes", "fastest_grad_sample_mode", "make"]
+__all__ = ["LossFn", "auto_note", "candidate_modes", "fastest_grad_sample_mode", "make", "ruled_out"]
 
 # Layers torch's expanded weights (grad_sample_mode=ew) computes per-sample gradients for.
 _EW_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.GroupNorm, nn.LayerNorm,
@@ -51,6 +51,31 @@ def candidate_modes(model: nn.Module, mixed_precision: bool = False) -> list[str
     if mixed_precision:  # ew's clipped sum cannot run in mixed precision (GradientStep refuses it)
         modes = [m for m in modes if m != "ew"]
     return [*modes, "vmap"]
+
+
+def ruled_out(model: nn.Module, mixed_precision: bool = False) -> list[tuple[str, str]]:
+    """The faster modes :func:`candidate_modes` leaves out for this model, each with why (auto's note says both)."""
+    modes = candidate_modes(model, mixed_precision)
+    layers = book_keeping.trainable_layers(model)
+    out = []
+    if "bk" not in modes:
+        out.append(("bk", book_keeping.refusal(layers) or "no trainable layer"))
+    if "ew" not in modes:
+        out.append(("ew", "mixed precision (its clipped sum is not computed from the per-sample gradients its norms "
+                          "were)" if mixed_precision else "a trainable layer torch's expanded weights has no rule for: "
+                    + ", ".join(sorted({type(m).__name__ for m in layers if type(m) not in _EW_LAYERS}))))
+    return out
+
+
+def auto_note(mode: str, skipped: list[tuple[str, str]]) -> str:
+    """auto's one line: the mode it took and why each faster one was skipped (one reason, every mode it ruled out)."""
+    order = ["bk", "ew", "hooks", "vmap"]  # fastest first, as auto tries them
+    said: dict[str, list[str]] = {}
+    for m, reason in sorted(skipped, key=lambda s: order.index(s[0])):
+        if order.index(m) < order.index(mode):  # a slower mode left out is not why this one was taken
+            said.setdefault(reason, []).append(m)
+    why = "; ".join(f"{', '.join(modes)} skipped: {reason}" for reason, modes in said.items())
+    return f"grad_sample_mode=auto: {mode}" + (f" ({why})" if why else "")
 
 
 def make(model: nn.Module, params: list[nn.Parameter], *, max_grad_norm: float | None, mode: str):
