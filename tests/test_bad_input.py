@@ -143,6 +143,8 @@ KINDS = [
     (["model._target_=tests.plugins.lone_groupnorm_mlp"],
      "model.1: GroupNorm(32, 32, eps=1e-05, affine=True, bias=True) normalises each value of its input (8, 32) alone"),
     (["backend=nccl"], "ddp_backend=nccl"),
+    (["experiment=lm_lora", "~peft"], "peft names no _target_ to build (it holds only target_modules); set "
+                                      "peft._target_, or remove it with its keys (~peft.target_modules)"),
 ]
 
 

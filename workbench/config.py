@@ -348,6 +348,11 @@ def validate(cfg: DictConfig) -> None:
             )
     _check_sweep(cfg)
     _check_ranges(cfg)
+    for path in ("model", "peft", "criterion", "optimizer", "data.train", "data.eval", "data.collator"):
+        node = OmegaConf.select(cfg, path)  # e.g. ~peft on a preset that still sets peft.target_modules
+        if isinstance(node, DictConfig) and len(node) and "_target_" not in node:
+            raise WorkbenchError(f"{path} names no _target_ to build (it holds only {', '.join(map(str, node))}); set "
+                                 f"{path}._target_, or remove it with its keys ({' '.join(f'~{path}.{k}' for k in node)})")
     if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
         raise WorkbenchError(f"set max_steps > 0 or num_train_epochs > 0 (got {cfg.max_steps}, {cfg.num_train_epochs})")
     if cfg.lr_scheduler_type not in LR_SCHEDULERS:

@@ -150,7 +150,7 @@ def build_model(cfg: DictConfig) -> tuple[nn.Module, list[str]]:
     model = _instantiate(config.own_arguments(cfg, "model"), "model")
     if not isinstance(model, nn.Module):
         raise WorkbenchError(f"model._target_ built a {type(model).__name__}, not a torch.nn.Module")
-    if cfg.get("peft") is not None:  # adapters (LoRA): only they train, so only they are clipped and noised
+    if cfg.get("peft"):  # adapters (LoRA): only they train, so only they are clipped and noised (none: {} too)
         model = _instantiate(cfg.peft, "peft", _partial_=True)(model)
     return prepare_model(model, cfg.privacy.enabled, cfg.privacy.fix_model)
 
