@@ -24,6 +24,8 @@ Figures (one key each in results.json); issue 10's targets are checked in the ru
                            vs one all-reduce per parameter (Opacus' distributed optimizer).
 - ``scaling_vs_ddp``       W=2 weak scaling of our DP trainer on the compute-bound transformer preset beside
                            torch DDP's non-private scaling of the same model, in the same jobs; target ours / DDP >= 0.95x.
+                           ``python -m benchmarks.scaling``: the same for issue 24's MiniLM encoder preset, shrunk
+                           (benchmarks/SCALING_MINILM.md).
 - ``accounting``           epsilon and sigma calibration for 10k / 100k Poisson steps, parallel Poisson W=2,4,8.
 - ``tracking_overhead``    ``workbench.train`` on the default config, MLflow tracking on vs off; and MLflow's
                            system-metrics sampler every 1 s vs off (tracking on in both, a longer job).

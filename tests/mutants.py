@@ -244,6 +244,12 @@ MUTANTS = (
            "while accounted as amplified BandMF", "workbench/privacy/users.py", '        if self.kind == "bandmf":  #',
            "        if False:  #",
            ("tests/test_user_mechanisms.py::test_bandmf_draws_users_in_strided_cyclic_parts_and_accounts_over_users[1]",)),
+    Mutant("step-pld-keeps-one-steps-infinity-mass", "StepPLD's n-fold composition keeps one step's mass at infinite "
+           "loss instead of 1 - (1 - m)^n: delta, hence epsilon, under-reported",
+           "workbench/privacy/accounting/pld.py",
+           "infinity_mass = _TAIL_MASS - math.expm1(n * math.log1p(-dense._infinity_mass))",
+           "infinity_mass = dense._infinity_mass",
+           ("tests/test_accounting.py::test_step_pld_self_composes_bit_for_bit_as_dp_accounting",)),
 )
 
 

@@ -23,6 +23,7 @@ from workbench.privacy.correlated import BandedNoise, prefix_sum_error, sqrt_coe
 from workbench.privacy.cyclic import CyclicPoissonBatchSampler, banded_shard
 from workbench.privacy.noise import GaussianNoise
 from workbench.privacy.sampling import PoissonBatchSampler, train_shard
+from workbench.privacy.accounting.accountant import LINE_SLACK
 
 DELTA = 1e-5
 
@@ -246,8 +247,9 @@ def test_the_default_job_with_bandmf_logs_the_independent_epsilon_on_every_line(
     client = MlflowClient(tracking_uri=mlflow_uri)
     logged = client.get_metric_history(result.run_id, "epsilon")
     assert len(logged) >= 10
-    for m in logged:
-        assert m.value == pytest.approx(direct_bandmf_epsilon(p, result.noise_multiplier, m.step, 4), rel=1e-9)
+    for m in logged:  # each line its step's epsilon, or at most LINE_SLACK above it (a coarser PLD grid)
+        fresh = direct_bandmf_epsilon(p, result.noise_multiplier, m.step, 4)
+        assert fresh * (1 - 1e-9) <= m.value <= fresh * (1 + LINE_SLACK)
     event = json.loads(client.get_run(result.run_id).data.tags["workbench.dp_event"])
     assert event["mechanism"] == "bandmf" and event["num_bands"] == 4
     assert result.metrics["eval_accuracy"] > 0.3  # it learns (chance 0.1)

@@ -17,6 +17,7 @@ from dp_accounting.pld import PLDAccountant
 from tests.test_bandmf import _oracle_python
 from workbench import checkpoint, privacy
 from workbench.errors import WorkbenchError
+from workbench.privacy.accounting.accountant import LINE_SLACK
 from workbench.privacy.accounting.banded import accountant_of
 from workbench.privacy.accounting.blt import BLTAccountant, calibrate_blt
 from workbench.privacy.blt import BLT, loss, rational_sqrt, sensitivity, strategy
@@ -214,8 +215,9 @@ def test_a_blt_run_logs_the_direct_epsilon_resumes_bit_for_bit_and_keeps_its_buf
     blt = BLT(tuple(event["buf_decay"]), tuple(event["output_scale"]))
     assert whole.epsilon <= 3.0
     for m in client.get_metric_history(whole.run_id, "epsilon"):  # every logged line, from the dense matrix
-        sens = dense_sensitivity(blt.materialize(m.step), 32)
-        assert m.value == pytest.approx(direct_epsilon(whole.noise_multiplier, sens), rel=1e-6)
+        sens = dense_sensitivity(blt.materialize(m.step), 32)  # at most LINE_SLACK above (a coarser PLD grid)
+        fresh = direct_epsilon(whole.noise_multiplier, sens)
+        assert fresh * (1 - 1e-6) <= m.value <= fresh * (1 + LINE_SLACK)
     local = client.download_artifacts(whole.run_id, "checkpoints", str(tmp_path / "published"))
     published = checkpoint.load(next(Path(local).glob("*.pt")))
     assert "correlated_noise" not in published and "secret" not in published

@@ -6,6 +6,7 @@ from mlflow import MlflowClient
 
 from tests.conftest import run_cli
 from workbench.privacy import DEFAULT_PLD_DISCRETIZATION
+from workbench.privacy.accounting.accountant import LINE_SLACK
 
 
 def test_default_job_end_to_end(tmp_path):
@@ -50,11 +51,12 @@ def test_default_job_end_to_end(tmp_path):
     line_steps = [h.step for h in client.get_metric_history(run.info.run_id, "learning_rate")]
     assert line_steps == sorted(set(line_steps)) and len(line_steps) == 17  # every 10 steps and the last (169)
     assert [h.step for h in history] == line_steps  # every log line carries epsilon
-    for h in (history[0], history[8]):  # each the true epsilon of its own step, by an independent computation
+    for h in (history[0], history[8]):  # each its own step's epsilon by an independent computation, or at most
         acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=DEFAULT_PLD_DISCRETIZATION)
-        acc.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        acc.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(  # LINE_SLACK above it
             m["sample_rate"], dp_accounting.GaussianDpEvent(m["noise_multiplier"])), h.step))
-        assert h.value == pytest.approx(acc.get_epsilon(m["delta"]), rel=1e-6)
+        fresh = acc.get_epsilon(m["delta"])
+        assert fresh * (1 - 1e-6) <= h.value <= fresh * (1 + LINE_SLACK)
     assert len(client.get_metric_history(run.info.run_id, "learning_rate")) == 17
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "checkpoints", "training_curves.png"} <= artifacts

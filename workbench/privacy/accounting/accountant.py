@@ -16,7 +16,7 @@ import numpy as np
 from workbench.errors import WorkbenchError
 from workbench.privacy.accounting.events import _check_event_args, _is_int, _is_real, _step_event, dp_event
 from workbench.privacy.accounting.lazy import _pld, _rdp, dp_accounting
-from workbench.privacy.accounting.pld import DEFAULT_PLD_DISCRETIZATION, _step_pld
+from workbench.privacy.accounting.pld import DEFAULT_PLD_DISCRETIZATION, StepPLD, _step_pld
 
 def code_version() -> str:
     """What a cached privacy result (workbench/cache.py) depends on besides its arguments: this package's source and
@@ -65,7 +65,7 @@ class Accountant:
         self.pld_discretization = float(pld_discretization)
         self.steps = 0
         self._cache: dict[tuple[int, float], float] = {}
-        self._pld_step: _pld.PrivacyLossDistribution | None = None
+        self._pld_step: StepPLD | None = None
 
     def __repr__(self) -> str:
         return (f"Accountant(kind={self.kind!r}, sample_rate={self.sample_rate}, noise_multiplier="
@@ -116,7 +116,8 @@ class Accountant:
         """The privacy loss distribution of ``steps`` steps (whatever ``kind``): what a sweep composes across runs."""
         d = self.pld_discretization
         if self._pld_step is None:
-            self._pld_step = _step_pld(_step_event(self.sample_rate, self.noise_multiplier, self.world_size, self.shard), d)
+            self._pld_step = StepPLD(_step_pld(_step_event(self.sample_rate, self.noise_multiplier, self.world_size,
+                                                           self.shard), d))
         # identity().compose(...) reproduces PLDAccountant(d).compose(event).get_epsilon(delta) bit for bit
         return _pld.identity(value_discretization_interval=d).compose(self._pld_step.self_compose(int(steps)))
 
@@ -227,13 +228,14 @@ class EpsilonSchedule:
     training thread never waits for a PLD composition. Every value is an upper bound, never an under-report:
 
     - the last line: the accountant's own ``epsilon(last, delta)``, equal to the reported final epsilon; computed first;
-    - up to ``EXACT_LINES`` lines: every line the accountant's own ``epsilon(step, delta)``;
-    - a longer schedule: composed at ``exact_steps``, each line taking the value of the next composed step, on a
-      coarser PLD grid (pessimistic rounding: still an upper bound) when one is within ``LINE_SLACK`` of the run's
-      grid at the last step: the coarsest of ``COARSER`` that is, checked there, where the grid's looseness is
-      largest. A composition's cost falls about as fast as the grid coarsens, so a long run's dense logging costs a
-      few percent of its training instead of a sixth (benchmarks/logging_cost.py). No line exceeds the last (epsilon
-      grows with the steps: the last value bounds every earlier step too).
+    - the lines before it: composed at ``exact_steps`` (every line when there are at most ``EXACT_LINES``), each line
+      taking the value of the next composed step, on a coarser PLD grid (pessimistic rounding: still an upper bound)
+      when one is within ``LINE_SLACK`` of the run's grid at the last step: the coarsest of ``COARSER`` that is,
+      checked there, where the grid's looseness is largest. So a line is at most ``LINE_SLACK`` above a fresh
+      computation of its composed step (and equal to it where no coarser grid qualifies). A composition's cost falls
+      about as fast as the grid coarsens, and ``StepPLD`` shares the step's truncation bounds between compositions,
+      so dense logging costs well under 5 % of a run, short or 100,000 steps long (benchmarks/LOGGING_COST.md).
+      No line exceeds the last (epsilon grows with the steps: the last value bounds every earlier step too).
     """
 
     def __init__(self, accountant: "Accountant", delta: float, steps):
@@ -252,8 +254,8 @@ class EpsilonSchedule:
     def lines_accountant(self, last_value: float) -> "Accountant":
         """The accountant of the lines before the last: the same mechanism on the coarsest grid of ``COARSER`` within
         ``LINE_SLACK`` of ``last_value`` at the last step; the run's own when none is, or when it has no PLD grid."""
-        if getattr(self.accountant, "kind", None) != "pld" or len(self.steps) <= EXACT_LINES:
-            return self.accountant  # a short schedule: every line the accountant's own, as a fresh computation gives
+        if getattr(self.accountant, "kind", None) != "pld" or len(self.steps) == 1:
+            return self.accountant
         for factor in COARSER:
             coarse = self.accountant.coarser(factor)
             if coarse.epsilon(self.exact[-1], self.delta, on_disk=True) <= last_value * (1 + LINE_SLACK):
