@@ -75,7 +75,7 @@ MUTANTS = (
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear-bk]",)),
     Mutant("bk-check-skips-one-example", "book-keeping's pre-run check compares nothing on one example: a weight "
            "used outside its layer trains with micro-batches of one",
-           "workbench/privacy/clipping/book_keeping.py", "        for k in range(n):", "        for k in range(n if n > 1 else 0):",
+           "workbench/privacy/clipping/bk_check.py", "        for k in range(n):", "        for k in range(n if n > 1 else 0):",
            ("tests/test_clipping.py::test_a_weight_used_outside_its_layer_is_refused_one_example_at_a_time[bk]",)),
     Mutant("non-finite-factor-kept", "an example whose norm is NaN keeps a NaN clip factor: one example's data makes "
            "the release non-finite (an event seen without noise)",

@@ -4,8 +4,8 @@ part of the per-sample squared gradient norms and of the clipped sum.
 Book-keeping hands a rule each call's (a, g) during the backward, as g arrives. The rule takes one of two routes:
 - per-sample gradients (``keeps`` false): ``per_sample(m, a, g)`` forms them at once, (n, *shape) per parameter, and
   a and g are let go; the norms are theirs, the clipped sum one matrix-vector product. Taken where they are no larger
-  than a and g (convolutions, sequences through narrow layers, normalisation affine parameters): memory like a
-  non-private step's, and the clipped sum costs no second weight-gradient kernel.
+  than a and g (convolutions, normalisation affine parameters; Linear sequences up to ``LinearRule.FORM_IF`` times
+  larger): memory near a non-private step's, and the clipped sum costs no second weight-gradient kernel.
 - kept calls (``keeps`` true): (a, g) are held until the clip factors are known, then
   ``prepare(m, calls, n)``              what the two steps below share (e.g. the calls joined), computed once;
   ``bound(m, state, n, batch)``         a :class:`~workbench.privacy.clipping.bound.Bound` per example: a certified upper
@@ -108,16 +108,20 @@ class Materialised:
 class LinearRule:
     """nn.Linear on (n, d) or (n, ..., d) inputs. One row per example: ||g_i a_i^T||^2 = ||a_i||^2 ||g_i||^2, the calls
     kept, the clipped sum one matmul. Sequences: the per-sample gradient sum_t g_it a_it^T (one batched matmul), formed
-    in place of a and g where smaller. Kept sequences take their norms by whichever costs fewer flops per example (the
-    mixed ghost-norm rule of Bu et al., 2023): per-sample gradients formed (T d_in d_out) or the Gram route
-    sum_{t,t'} <a_t,a_t'> <g_t,g_t'> (T^2 (d_in + d_out)), in float64 (never negative from cancellation as in float32;
-    weighted ``GRAM_IF`` for float64's cost: measured on the vit and gpt presets' shapes)."""
+    in place of a and g where at most ``FORM_IF`` times larger. Kept sequences take their norms by whichever costs
+    fewer flops per example (the mixed ghost-norm rule of Bu et al., 2023): per-sample gradients formed (T d_in d_out)
+    or the Gram route sum_{t,t'} <a_t,a_t'> <g_t,g_t'> (T^2 (d_in + d_out)), in float64 (never negative from
+    cancellation as in float32; weighted ``GRAM_IF`` for float64's cost: measured on the vit and gpt presets' shapes)."""
 
     GRAM_IF = 4.0
+    FORM_IF = 2.0  # sequences form per-sample gradients during the backward up to twice the memory of a and g: their
+    # clipped sum is then one matrix-vector product, not a second weight-gradient kernel (the gpt preset's layers, 1.0x
+    # to 1.6x: 0.52x -> 0.66x of non-private CPU time); wider ratios stay kept (vit's, 3.3x: forming measured slower)
 
-    @staticmethod
-    def keeps(m, a, g) -> bool:
-        return a.dim() == 2 or smaller_kept(m, a, g)
+    @classmethod
+    def keeps(cls, m, a, g) -> bool:
+        return a.dim() == 2 or cls.FORM_IF * (_per_example(a) + _per_example(g)) < sum(
+            getattr(m, name).numel() for name in trainable(m))
 
     @staticmethod
     def per_sample(m, a, g):
