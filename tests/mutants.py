@@ -107,6 +107,12 @@ MUTANTS = (
            "mul_(g @ g.transpose(1, 2)).sum((1, 2))", "mul_(g @ g.transpose(1, 2)).diagonal(dim1=1, dim2=2).sum(1)",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear_sequence_gram-bk]",
             "tests/test_layers.py::test_the_linear_gram_route_is_taken_where_it_costs_fewer_flops")),
+    Mutant("bk-joins-linears-of-other-inputs", "book-keeping joins Linear layers whose inputs merely have one shape "
+           "(out_proj with q, k, v): out_proj's gradient is formed from q's input, its examples clipped by a wrong norm",
+           "workbench/privacy/clipping/book_keeping.py", "groups.setdefault((a.data_ptr(), a.shape,",
+           "groups.setdefault((a.shape,",
+           ("tests/test_layers.py::test_q_k_v_reading_one_input_are_joined_and_each_example_is_clipped_as_the_oracle_"
+            "clips_it[2]",)),
     Mutant("bk-scalar-copies-read-per-feature", "a raw scalar's per-example copies are (n,): a (n, d) activation "
            "reads copy j for feature j, mixing examples", "workbench/privacy/clipping/book_keeping.py",
            "return p.expand(n, *[1] * self.ones)", "return p.expand(n)",

@@ -6,7 +6,12 @@ LayerNorm/RMSNorm, GroupNorm; biases and frozen parameters included) takes, per 
 memory: its per-sample gradients, formed as g arrives (a tap -- an identity autograd node -- on z hands g over during
 the backward, and a and g are let go), or (a, g) kept, the backward returning g. Then per-sample squared norms per
 layer, their sum over layers, the clip factors f_i, and sum_i f_i grad_i into the buffer. A layer called more than
-once (or on a sequence (B, T, d)) is exact: its calls are summed per example before norms.
+once (or on a sequence (B, T, d)) is exact: its calls are summed per example before norms. Two things cut the small
+ops a step costs (on a small ViT they weigh as much as the kernels): formed per-sample gradients of few entries per
+example (normalisation weights, biases, raw parameters) are stacked into one tensor, one norm reduction and one
+matrix-vector product for all (:func:`_stack_small`), and kept Linear sequences that read one and the same input
+tensor (self-attention's q, k and v projections) are joined into one Linear (``layers.JoinedLinears``: the input's
+norms, Gram matrices and scaled copy computed once).
 
 It relies on what every per-sample mode relies on -- a layer's input rows are examples, one loss per example -- and on
 seeing every use of a weight. :meth:`BookKeeping.check` verifies this on a real batch before training.
@@ -37,8 +42,12 @@ from torch.nn.utils.stateless import _reparametrize_module
 from workbench.privacy.clipping.base import LossFn, Strategy
 from workbench.privacy.clipping.bk_check import PreRunCheck, _input
 from workbench.privacy.clipping.bound import add_exact, clip_factors, exact_float32, materialised, zero_rows
-from workbench.privacy.clipping.layers import RULES, EmbeddingRule, _precise, rule_for, weighted_sum
+from workbench.privacy.clipping.layers import (RULES, EmbeddingRule, JoinedLinearRule, JoinedLinears, LinearRule,
+                                                _precise, rule_for, trainable, weighted_sum)
 from workbench.errors import WorkbenchError
+
+
+JOINED = JoinedLinearRule()
 
 
 class _Tap(torch.autograd.Function):
@@ -57,6 +66,29 @@ class _Tap(torch.autograd.Function):
         if sink is not None:
             sink(g)
         return g, None, None
+
+
+SMALL = 1024  # formed per-sample gradients of at most this many entries per example are stacked (_stack_small)
+
+
+def _stack_small(formed: list[tuple[int, torch.Tensor]], n: int) -> list[tuple[object, torch.Tensor]]:
+    """Formed per-sample gradients (parameter id, (n, *shape)), those of few entries per example (normalisation
+    weights, biases, raw parameters) stacked into one (n, P) tensor per dtype, keyed by their parameter ids in order:
+    one norm reduction and one matrix-vector product for all, not a few small ops each. The stacked tensor is what is
+    summed, so its materialised bound is the bound of what is added, as for any formed tensor."""
+    small: dict[torch.dtype, list] = {}
+    out = []
+    for key, t in formed:
+        if t.numel() <= SMALL * max(1, n):
+            small.setdefault(t.dtype, []).append((key, t))
+        else:
+            out.append((key, t))
+    for group in small.values():
+        if len(group) == 1:
+            out += group
+        else:
+            out.append((tuple(k for k, _ in group), torch.cat([t.reshape(n, -1) for _, t in group], 1)))
+    return out
 
 
 def trainable_layers(model: nn.Module) -> list[nn.Module]:
@@ -142,6 +174,7 @@ class BookKeeping(PreRunCheck, Strategy):
         self._expanded: list[str] = []  # what the last forward expanded per example: shared ids, raw parameters
         self._arrived: dict | None = None  # during a backward: layer -> [per-sample gradients or None, kept calls]
         self._n = 0
+        self._joins: dict[tuple, JoinedLinears] = {}  # Linear layers that read one input, joined (see _join)
 
     def _run(self, batch, loss_fn: LossFn, collect: bool):
         """Forward with the recording hooks. A call whose rule keeps (a, g) (all calls when ``collect``: the check
@@ -265,26 +298,34 @@ class BookKeeping(PreRunCheck, Strategy):
         bound_n = max(n, self.max_batch)  # public: no factor depends on how many examples were drawn
         with exact_float32(losses.device):
             parts = []  # a certified bound per layer route, summed once
-            kept = []
+            kept, formed = [], []
             for m, (per_sample, calls) in arrived.items():
                 rule = self.rules[m]
                 if per_sample is not None:
                     for a, g in calls:  # a layer whose calls took both routes: all per-sample
                         for name, t in rule.per_sample(m, a, g).items():
                             per_sample[name].add_(t)
-                    parts += [materialised(t, bound_n) for t in per_sample.values()]
+                    formed += [(id(getattr(m, name)), t) for name, t in per_sample.items()]
                 elif calls:
-                    state = rule.prepare(m, calls, n)
-                    parts.append(rule.bound(m, state, n, bound_n))
-                    kept.append((rule, m, calls, state))
+                    kept.append((rule, m, calls))
+            formed = _stack_small(formed, n)
+            parts += [materialised(t, bound_n) for _, t in formed]
+            kept = self._join(kept)
+            for i, (rule, m, calls) in enumerate(kept):
+                state = rule.prepare(m, calls, n)
+                parts.append(rule.bound(m, state, n, bound_n))
+                kept[i] = (rule, m, calls, state)
             buffer = next(iter(view_of.values())).dtype
             factor, rows = clip_factors(parts, n, self.clip, buffer, losses.device)
             # rows: examples recomputed alone in float64 (non-finite or extreme bounds); zeroed here, as 0 * inf is NaN
-            for m, (per_sample, _) in arrived.items():
-                for name, t in (per_sample or {}).items():
-                    t = t if rows is None else zero_rows(t, rows)
-                    view = view_of[id(getattr(m, name))]
-                    view.add_(weighted_sum(t, factor.to(t.dtype)))  # in float32 at least, cast when added
+            for key, t in formed:
+                t = t if rows is None else zero_rows(t, rows)
+                total = weighted_sum(t, factor.to(t.dtype))  # in float32 at least, cast when added
+                if isinstance(key, int):
+                    view_of[key].add_(total)
+                else:  # stacked small tensors: each parameter's own entries of the one sum
+                    for k, part in zip(key, total.split([view_of[k].numel() for k in key])):
+                        view_of[k].add_(part.view(view_of[k].shape))
             for rule, m, calls, state in kept:
                 if rows is not None:  # both a and g: either may hold the inf
                     state = rule.prepare(m, [(zero_rows(a, rows), zero_rows(g, rows)) for a, g in calls], n)
@@ -293,6 +334,31 @@ class BookKeeping(PreRunCheck, Strategy):
                                          for k in rows.nonzero().flatten().tolist()]
         self.count(factor, exact)  # adaptive clipping only
         return losses.detach()
+
+    def _join(self, kept: list) -> list:
+        """The kept calls (rule, layer, calls), with Linear sequences that read one and the same input tensor, each
+        once (self-attention's q, k and v projections), joined into one :class:`JoinedLinears`."""
+        groups: dict[tuple, list[int]] = {}
+        for i, (rule, m, calls) in enumerate(kept):
+            a = calls[0][0]
+            # the same memory, saved by autograd for the weight's gradient (an in-place change fails the backward):
+            # the same values
+            if type(rule) is LinearRule and len(calls) == 1 and a.dim() > 2 and "weight" in trainable(m):
+                groups.setdefault((a.data_ptr(), a.shape, a.stride(), a.dtype, a.device, tuple(trainable(m))),
+                                  []).append(i)
+        first = {members[0]: members for members in groups.values() if len(members) > 1}
+        if not first:
+            return kept
+        rest = {i for members in first.values() for i in members[1:]}
+        out = []
+        for i, unit in enumerate(kept):
+            if i in first:
+                layers = tuple(kept[k][1] for k in first[i])
+                joined = self._joins.get(layers) or self._joins.setdefault(layers, JoinedLinears(layers))
+                out.append((JOINED, joined, [kept[k][2][0] for k in first[i]]))
+            elif i not in rest:
+                out.append(unit)
+        return out
 
     def _exact_gradient(self, arrived, k: int) -> dict[int, torch.Tensor]:
         """Example k's gradient in float64 (parameter id -> tensor): formed per-sample gradients as they are (what

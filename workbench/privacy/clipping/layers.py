@@ -201,7 +201,8 @@ class LinearRule:
     def add_clipped(self, m, state, factor, view_of):
         a, g = state
         names = trainable(m)
-        dtype = view_of[id(getattr(m, names[0]))].dtype
+        layers = getattr(m, "layers", (m,))  # JoinedLinears: each layer's own columns of the joined g
+        dtype = view_of[id(getattr(layers[0], names[0]))].dtype
         if a.dim() == 2 and a.dtype == g.dtype == dtype:  # one row per example, in the buffer's precision
             self._add_clipped_rows(m, names, a, g, factor, view_of)
             return
@@ -212,11 +213,14 @@ class LinearRule:
             f = fs.view(-1, *[1] * (gs.dim() - 1))
             if "weight" in names:
                 left, right = (gs, as_ * f) if narrow_a else (gs * f, as_)
-                view_of[id(m.weight)].addmm_(left.to(dtype).reshape(-1, gs.shape[-1]).t(),
-                                             right.to(dtype).reshape(-1, as_.shape[-1]))
+                left, right = left.to(dtype).reshape(-1, gs.shape[-1]), right.to(dtype).reshape(-1, as_.shape[-1])
+                for layer, cols in _columns(layers):
+                    view_of[id(layer.weight)].addmm_(left[:, cols].t(), right)
             if "bias" in names:  # sum_i f_i sum_t g_it: per-example sums over T, one matrix-vector product, one cast
                 sums = gs.reshape(len(gs), -1, gs.shape[-1]).sum(1)
-                view_of[id(m.bias)].add_(torch.mv(sums.t(), fs.to(sums.dtype)).to(dtype))
+                total = torch.mv(sums.t(), fs.to(sums.dtype)).to(dtype)
+                for layer, cols in _columns(layers):
+                    view_of[id(layer.bias)].add_(total[cols])
 
     @staticmethod
     def _add_clipped_rows(m, names, a, g, factor, view_of):
@@ -240,6 +244,42 @@ class LinearRule:
         a, g = _abs(a, absolute), _abs(g, absolute)
         out = {"weight": g.t() @ a, "bias": g.sum(0)}
         return {name: out[name] for name in trainable(m)}
+
+
+def _columns(layers) -> list[tuple[nn.Linear, slice]]:
+    """Each layer's columns of its outputs set side by side."""
+    out, start = [], 0
+    for m in layers:
+        out.append((m, slice(start, start + m.out_features)))
+        start += m.out_features
+    return out
+
+
+class JoinedLinears:
+    """nn.Linear layers that read one and the same input tensor, each once, in one forward (self-attention's q, k and
+    v projections): to book-keeping one Linear whose outputs stand side by side. Example i's gradient of the stacked
+    weights [W_1; W_2; ...] is [g_1i a_i^T; g_2i a_i^T; ...], exactly the layers' own gradients stacked, so its norm is
+    their joint norm; the input's norms, Gram matrices and scaled copy are computed once, and each layer's clipped sum
+    is its own matmul on its columns of the joined g (the same products, rounded alike, as the layer alone: the
+    bound of the joined Linear covers each). Made once per set of layers and reused across steps."""
+
+    def __init__(self, layers: tuple[nn.Linear, ...]):
+        self.layers = layers
+        self._parameters = {name: torch.empty(sum(getattr(m, name).shape[0] for m in layers),
+                                              *getattr(layers[0], name).shape[1:], device="meta").requires_grad_()
+                            for name in trainable(layers[0])}
+        self.__dict__.update(self._parameters)
+
+
+class JoinedLinearRule(LinearRule):
+    """LinearRule on :class:`JoinedLinears`: its calls are the layers' own (one each, the same a), joined along the
+    output features."""
+
+    @staticmethod
+    def prepare(m, calls: Calls, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a = calls[0][0]
+        return (_precise(a).reshape(n, -1, a.shape[-1]),
+                torch.cat([_precise(g).reshape(n, -1, g.shape[-1]) for _, g in calls], -1))
 
 
 class EmbeddingRule:
