@@ -87,7 +87,8 @@ def _stack_small(formed: list[tuple[int, torch.Tensor]], n: int) -> list[tuple[o
         if len(group) == 1:
             out += group
         else:
-            out.append((tuple(k for k, _ in group), torch.cat([t.reshape(n, -1) for _, t in group], 1)))
+            flat = [t.reshape(n, t.numel() // max(1, n)) for _, t in group]  # (n,) a raw scalar's: (n, 1)
+            out.append((tuple(k for k, _ in group), torch.cat(flat, 1)))
     return out
 
 
