@@ -5,7 +5,8 @@ model, timed in one process on the same replayed Poisson batches, interleaved (b
 to the non-private step; peak step memory as benchmarks.throughput measures it.
 
     python -m benchmarks.issue21            # writes benchmarks/presets_gpt_vit.json (one run; the committed file
-                                            # holds four, under "runs", and issue 21's two under "before_issue_24")
+                                            # holds three, under "runs"; the four before them under
+                                            # "before_bk_speed"; issue 21's two under "before_issue_24")
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ MUTANTS = (
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear-bk]",)),
     Mutant("bk-check-skips-one-example", "book-keeping's pre-run check compares nothing on one example: a weight "
            "used outside its layer trains with micro-batches of one",
-           "workbench/privacy/clipping/book_keeping.py", "        for k in range(n):", "        for k in range(n if n > 1 else 0):",
+           "workbench/privacy/clipping/bk_check.py", "        for k in range(n):", "        for k in range(n if n > 1 else 0):",
            ("tests/test_clipping.py::test_a_weight_used_outside_its_layer_is_refused_one_example_at_a_time[bk]",)),
     Mutant("non-finite-factor-kept", "an example whose norm is NaN keeps a NaN clip factor: one example's data makes "
            "the release non-finite (an event seen without noise)",
@@ -107,6 +107,12 @@ MUTANTS = (
            "mul_(g @ g.transpose(1, 2)).sum((1, 2))", "mul_(g @ g.transpose(1, 2)).diagonal(dim1=1, dim2=2).sum(1)",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear_sequence_gram-bk]",
             "tests/test_layers.py::test_the_linear_gram_route_is_taken_where_it_costs_fewer_flops")),
+    Mutant("bk-joins-linears-of-other-inputs", "book-keeping joins Linear layers whose inputs merely have one shape "
+           "(out_proj with q, k, v): out_proj's gradient is formed from q's input, its examples clipped by a wrong norm",
+           "workbench/privacy/clipping/book_keeping.py", "groups.setdefault((a.data_ptr(), a.shape,",
+           "groups.setdefault((a.shape,",
+           ("tests/test_layers.py::test_q_k_v_reading_one_input_are_joined_and_each_example_is_clipped_as_the_oracle_"
+            "clips_it[2]",)),
     Mutant("bk-scalar-copies-read-per-feature", "a raw scalar's per-example copies are (n,): a (n, d) activation "
            "reads copy j for feature j, mixing examples", "workbench/privacy/clipping/book_keeping.py",
            "return p.expand(n, *[1] * self.ones)", "return p.expand(n)",

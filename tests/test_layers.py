@@ -129,6 +129,45 @@ def test_the_linear_gram_route_is_taken_where_it_costs_fewer_flops():
     torch.testing.assert_close(rule._gram(a, g), per_sample.square().sum((1, 2)), rtol=1e-12, atol=0)
 
 
+class SelfAttention(nn.Module):
+    """Self-attention whose q, k and v projections read one tensor (book-keeping joins them: JoinedLinears);
+    out_proj reads another tensor of the same shape, which must not join them."""
+
+    def __init__(self, t: int):
+        super().__init__()
+        from workbench.models.attention import PerExampleMultiheadAttention
+
+        self.t, self.embed = t, nn.Linear(3, 16)
+        self.attn, self.head = PerExampleMultiheadAttention(16, 2, batch_first=True), nn.Linear(16, CLASSES)
+
+    def forward(self, x):
+        h = self.embed(x.view(len(x), self.t, 3))
+        return self.head(self.attn(h, h, h, need_weights=False)[0].mean(1))
+
+
+@pytest.mark.parametrize("t", [2, 4])  # the joined layers' Gram route, their formed route
+def test_q_k_v_reading_one_input_are_joined_and_each_example_is_clipped_as_the_oracle_clips_it(t):
+    from workbench.privacy.clipping.layers import LinearRule
+
+    def make():
+        torch.manual_seed(0)
+        return SelfAttention(t)
+
+    x, y = _floats(BATCH, t * 3) * 4, torch.arange(BATCH) % CLASSES
+    expected, clipped = clipped_sum(make(), rows(x, y), CLIP)
+    assert clipped >= 3  # the clip bites
+    model = make()
+    step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=CLIP,
+                        noise_multiplier=0.0, grad_sample_mode="bk", max_physical_batch_size=PHYSICAL)
+    step.check((x, y))
+    step((x, y), step=0)
+    a = model.attn
+    assert list(step.clipper._joins) == [(a.q_proj, a.k_proj, a.v_proj)]  # out_proj's input differs: not joined
+    assert LinearRule().use_gram(torch.zeros(1, t, 16), torch.zeros(1, t, 48)) is (t == 2)
+    for p, e in zip(step.params, expected):
+        torch.testing.assert_close(p.grad.double(), e, rtol=1e-4, atol=1e-6)
+
+
 def test_the_small_cnn_trains_privately(make_cfg, mlflow_uri):
     """model=cnn on digits end to end (Conv2d + GroupNorm + Linear, through the mode auto picks): it learns (0.89-0.92
     measured over three secrets; chance is 0.1, one step gives 0.14), and its epsilon is dp_accounting's for the

@@ -6,7 +6,12 @@ LayerNorm/RMSNorm, GroupNorm; biases and frozen parameters included) takes, per 
 memory: its per-sample gradients, formed as g arrives (a tap -- an identity autograd node -- on z hands g over during
 the backward, and a and g are let go), or (a, g) kept, the backward returning g. Then per-sample squared norms per
 layer, their sum over layers, the clip factors f_i, and sum_i f_i grad_i into the buffer. A layer called more than
-once (or on a sequence (B, T, d)) is exact: its calls are summed per example before norms.
+once (or on a sequence (B, T, d)) is exact: its calls are summed per example before norms. Two things cut the small
+ops a step costs (on a small ViT they weigh as much as the kernels): formed per-sample gradients of few entries per
+example (normalisation weights, biases, raw parameters) are stacked into one tensor, one norm reduction and one
+matrix-vector product for all (:func:`_stack_small`), and kept Linear sequences that read one and the same input
+tensor (self-attention's q, k and v projections) are joined into one Linear (``layers.JoinedLinears``: the input's
+norms, Gram matrices and scaled copy computed once).
 
 It relies on what every per-sample mode relies on -- a layer's input rows are examples, one loss per example -- and on
 seeing every use of a weight. :meth:`BookKeeping.check` verifies this on a real batch before training.
@@ -34,10 +39,15 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.nn.utils.stateless import _reparametrize_module
 
-from workbench.privacy.clipping.base import LossFn, Strategy, check_tolerance, require_own
+from workbench.privacy.clipping.base import LossFn, Strategy
+from workbench.privacy.clipping.bk_check import PreRunCheck, _input
 from workbench.privacy.clipping.bound import add_exact, clip_factors, exact_float32, materialised, zero_rows
-from workbench.privacy.clipping.layers import RULES, EmbeddingRule, _precise, rule_for, weighted_sum
+from workbench.privacy.clipping.layers import (RULES, EmbeddingRule, JoinedLinearRule, JoinedLinears, LinearRule,
+                                                _precise, rule_for, trainable, weighted_sum)
 from workbench.errors import WorkbenchError
+
+
+JOINED = JoinedLinearRule()
 
 
 class _Tap(torch.autograd.Function):
@@ -56,6 +66,30 @@ class _Tap(torch.autograd.Function):
         if sink is not None:
             sink(g)
         return g, None, None
+
+
+SMALL = 1024  # formed per-sample gradients of at most this many entries per example are stacked (_stack_small)
+
+
+def _stack_small(formed: list[tuple[int, torch.Tensor]], n: int) -> list[tuple[object, torch.Tensor]]:
+    """Formed per-sample gradients (parameter id, (n, *shape)), those of few entries per example (normalisation
+    weights, biases, raw parameters) stacked into one (n, P) tensor per dtype, keyed by their parameter ids in order:
+    one norm reduction and one matrix-vector product for all, not a few small ops each. The stacked tensor is what is
+    summed, so its materialised bound is the bound of what is added, as for any formed tensor."""
+    small: dict[torch.dtype, list] = {}
+    out = []
+    for key, t in formed:
+        if t.numel() <= SMALL * max(1, n):
+            small.setdefault(t.dtype, []).append((key, t))
+        else:
+            out.append((key, t))
+    for group in small.values():
+        if len(group) == 1:
+            out += group
+        else:
+            flat = [t.reshape(n, t.numel() // max(1, n)) for _, t in group]  # (n,) a raw scalar's: (n, 1)
+            out.append((tuple(k for k, _ in group), torch.cat(flat, 1)))
+    return out
 
 
 def trainable_layers(model: nn.Module) -> list[nn.Module]:
@@ -88,7 +122,6 @@ class _Raw:
         return p.expand(n, *p.shape[1:]) if p.shape[0] == 1 else p.expand(n, *p.shape)
 
 
-SCALAR_RANKS = (1, 2, 3)  # the 1s a raw scalar's copies may take: (n, 1) for (n, d) activations ... (n, 1, 1, 1)
 
 
 class RawRule:
@@ -117,19 +150,7 @@ def refusal(layers: list[nn.Module], raw: bool = True) -> str | None:
     return None
 
 
-def _same(losses: torch.Tensor, plain: torch.Tensor) -> bool:
-    """The hooked forward's losses are the model's own (to rounding: the same values reach different kernels)."""
-    if losses.shape != plain.shape:
-        return False
-    tol = check_tolerance(plain.dtype)
-    return bool(torch.allclose(losses, plain, rtol=tol, atol=tol * float(plain.abs().max()) if plain.numel() else 0.0))
-
-
-def _input(args: tuple, kwargs: dict) -> torch.Tensor:
-    return args[0] if args else kwargs["input"]
-
-
-class BookKeeping(Strategy):
+class BookKeeping(PreRunCheck, Strategy):
     """grad_sample_mode=bk."""
 
     def __init__(self, model: nn.Module, clip: float):
@@ -154,6 +175,7 @@ class BookKeeping(Strategy):
         self._expanded: list[str] = []  # what the last forward expanded per example: shared ids, raw parameters
         self._arrived: dict | None = None  # during a backward: layer -> [per-sample gradients or None, kept calls]
         self._n = 0
+        self._joins: dict[tuple, JoinedLinears] = {}  # Linear layers that read one input, joined (see _join)
 
     def _run(self, batch, loss_fn: LossFn, collect: bool):
         """Forward with the recording hooks. A call whose rule keeps (a, g) (all calls when ``collect``: the check
@@ -267,102 +289,6 @@ class BookKeeping(Strategy):
         finally:
             self._arrived = None
 
-    def _classify(self, batch, loss_fn: LossFn) -> dict[nn.Module, tuple[bool, int]]:
-        """How each nn.Embedding is called: (shared, the ids' rank). Shared: its ids' first dimension does not follow
-        the batch's, read from forwards (without gradients) of the batch and of the batch less one example, so ids of
-        T positions are told from a batch of T examples."""
-        if not self.embeddings or not hasattr(batch, "__len__"):
-            return {}
-        n = len(batch)
-        sizes = [n] + ([n - 1] if n > 1 and hasattr(batch, "slice") else [])
-        seen: dict[nn.Module, list[set]] = {m: [set(), set()] for m in self.embeddings}
-
-        def hook(i):
-            def record(m, args, kwargs):
-                ids = _input(args, kwargs)
-                if torch.is_tensor(ids):
-                    seen[m][i].add((ids.dim(), ids.shape[0] if ids.dim() else None))
-            return record
-
-        devices = [p.device for p in self.module.parameters() if p.device.type == "cuda"][:1]
-        for i, size in enumerate(sizes):
-            handles = [m.register_forward_pre_hook(hook(i), with_kwargs=True) for m in self.embeddings]
-            try:
-                with torch.random.fork_rng(devices=devices), torch.no_grad():
-                    loss_fn(self.module, batch if size == n else batch.slice(0, size))
-            finally:
-                for h in handles:
-                    h.remove()
-        out = {}
-        for m, (full, less) in seen.items():
-            if not full:
-                continue
-            follows = all(d > 0 and first == n for d, first in full) and \
-                (len(sizes) == 1 or less == {(d, n - 1) for d, _ in full})
-            if follows:  # every call batch first (one or several ranks): per example, as bk always read them
-                out[m] = (False, None)
-            elif len(full) == 1 and len({d for d, _ in less}) <= 1:
-                out[m] = (True, next(iter(full))[0])
-            else:
-                raise WorkbenchError(f"grad_sample_mode=bk: layer {self.layer_names[m]!r} (Embedding) is called with ids "
-                                     f"of several shapes {sorted(full)} in one forward, not all batch first; it cannot "
-                                     "tell which are shared by the batch")
-        return out
-
-    def check(self, batch, loss_fn: LossFn) -> None:
-        """On a real batch, in the model's training mode: each example's row of bk must be that example's own gradient
-        (autograd's gradient of its loss alone). Time-major inputs, layers or losses that mix examples, and weights
-        used outside their layer all fail it; mixing that appears only in larger batches cannot be seen.
-        Raw scalars (ReZero alphas) multiply activations of a rank the layers do not say: their copies' shape
-        (n, 1, ...) is the first of ``SCALAR_RANKS`` under which the check passes, else the first refusal is raised."""
-        scalars, refusal = [h for h in self.raw if h.weight.dim() == 0], None
-        for ones in SCALAR_RANKS if scalars else (1,):
-            for h in scalars:
-                h.ones = ones
-            try:
-                return self._check(batch, loss_fn)
-            except WorkbenchError as e:
-                refusal = refusal or e
-        raise refusal
-
-    def _check(self, batch, loss_fn: LossFn) -> None:
-        was_training = self.module.training
-        self.module.train()  # the mode it trains in, whatever mode it was handed over in
-        try:
-            self.shared = self._classify(batch, loss_fn)
-            devices = [p.device for p in self.module.parameters() if p.device.type == "cuda"][:1]
-            with torch.random.fork_rng(devices=devices), torch.no_grad():  # the same dropout draws as the forward below
-                plain = loss_fn(self.module, batch)
-            losses, arrived = self._backward(batch, loss_fn, retain=True, collect=True)
-        finally:
-            self.module.train(was_training)
-        if self._expanded and not _same(losses.detach(), plain):
-            # an expansion changed what the model computes (it used the tensor otherwise than by broadcasting)
-            raise WorkbenchError(f"grad_sample_mode=bk: expanding {', '.join(sorted(set(self._expanded)))} (shared "
-                                 "ids or raw parameters) to one copy per example changes the model's losses")
-        layers = {m: calls for m, (_, calls) in arrived.items()}
-        n = len(losses)
-        params = [p for m in self.layers for p in m.parameters(recurse=False) if p.requires_grad]
-        tolerance = check_tolerance(params[0].dtype)
-        exact = torch.promote_types(params[0].dtype, torch.float32)
-        for k in range(n):
-            mine: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # parameter id -> (row k's gradient, its |terms|)
-            for m, calls in layers.items():
-                calls = [(a.to(exact) if a.is_floating_point() else a, g.to(exact)) for a, g in calls]
-                rule = self.rules[m]
-                got, magnitude = rule.sample(m, calls, k), rule.sample(m, calls, k, absolute=True)
-                for name in got:
-                    mine[id(getattr(m, name))] = (got[name], magnitude[name])
-            own = torch.autograd.grad(losses[k], params, retain_graph=True, allow_unused=True)
-            for p, ref in zip(params, own):
-                ref = torch.zeros(p.shape, device=p.device, dtype=exact) if ref is None else ref.to(exact)
-                if ref.is_sparse:  # nn.Embedding(sparse=True)
-                    ref = ref.to_dense()
-                got, magnitude = mine.get(id(p), (torch.zeros_like(ref), torch.zeros_like(ref)))
-                require_own(k, self.names[id(p)], "bk", got, ref, magnitude, tolerance)
-        # one example still shows a weight used outside its layer, not mixing: the first larger batch is checked too
-        self.checked = n > 1
-
     def accumulate(self, batch, loss_fn: LossFn, view_of: dict[int, torch.Tensor]) -> torch.Tensor:
         """Add the micro-batch's clipped gradient sum into ``view_of`` (parameter id -> gradient buffer view). Not
         checked here: GradientStep checks before training, or the micro-batch first while ``checked`` is False, in the
@@ -373,26 +299,34 @@ class BookKeeping(Strategy):
         bound_n = max(n, self.max_batch)  # public: no factor depends on how many examples were drawn
         with exact_float32(losses.device):
             parts = []  # a certified bound per layer route, summed once
-            kept = []
+            kept, formed = [], []
             for m, (per_sample, calls) in arrived.items():
                 rule = self.rules[m]
                 if per_sample is not None:
                     for a, g in calls:  # a layer whose calls took both routes: all per-sample
                         for name, t in rule.per_sample(m, a, g).items():
                             per_sample[name].add_(t)
-                    parts += [materialised(t, bound_n) for t in per_sample.values()]
+                    formed += [(id(getattr(m, name)), t) for name, t in per_sample.items()]
                 elif calls:
-                    state = rule.prepare(m, calls, n)
-                    parts.append(rule.bound(m, state, n, bound_n))
-                    kept.append((rule, m, calls, state))
+                    kept.append((rule, m, calls))
+            formed = _stack_small(formed, n)
+            parts += [materialised(t, bound_n) for _, t in formed]
+            kept = self._join(kept)
+            for i, (rule, m, calls) in enumerate(kept):
+                state = rule.prepare(m, calls, n)
+                parts.append(rule.bound(m, state, n, bound_n))
+                kept[i] = (rule, m, calls, state)
             buffer = next(iter(view_of.values())).dtype
             factor, rows = clip_factors(parts, n, self.clip, buffer, losses.device)
             # rows: examples recomputed alone in float64 (non-finite or extreme bounds); zeroed here, as 0 * inf is NaN
-            for m, (per_sample, _) in arrived.items():
-                for name, t in (per_sample or {}).items():
-                    t = t if rows is None else zero_rows(t, rows)
-                    view = view_of[id(getattr(m, name))]
-                    view.add_(weighted_sum(t, factor.to(t.dtype)))  # in float32 at least, cast when added
+            for key, t in formed:
+                t = t if rows is None else zero_rows(t, rows)
+                total = weighted_sum(t, factor.to(t.dtype))  # in float32 at least, cast when added
+                if isinstance(key, int):
+                    view_of[key].add_(total)
+                else:  # stacked small tensors: each parameter's own entries of the one sum
+                    for k, part in zip(key, total.split([view_of[k].numel() for k in key])):
+                        view_of[k].add_(part.view(view_of[k].shape))
             for rule, m, calls, state in kept:
                 if rows is not None:  # both a and g: either may hold the inf
                     state = rule.prepare(m, [(zero_rows(a, rows), zero_rows(g, rows)) for a, g in calls], n)
@@ -401,6 +335,31 @@ class BookKeeping(Strategy):
                                          for k in rows.nonzero().flatten().tolist()]
         self.count(factor, exact)  # adaptive clipping only
         return losses.detach()
+
+    def _join(self, kept: list) -> list:
+        """The kept calls (rule, layer, calls), with Linear sequences that read one and the same input tensor, each
+        once (self-attention's q, k and v projections), joined into one :class:`JoinedLinears`."""
+        groups: dict[tuple, list[int]] = {}
+        for i, (rule, m, calls) in enumerate(kept):
+            a = calls[0][0]
+            # the same memory, saved by autograd for the weight's gradient (an in-place change fails the backward):
+            # the same values
+            if type(rule) is LinearRule and len(calls) == 1 and a.dim() > 2 and "weight" in trainable(m):
+                groups.setdefault((a.data_ptr(), a.shape, a.stride(), a.dtype, a.device, tuple(trainable(m))),
+                                  []).append(i)
+        first = {members[0]: members for members in groups.values() if len(members) > 1}
+        if not first:
+            return kept
+        rest = {i for members in first.values() for i in members[1:]}
+        out = []
+        for i, unit in enumerate(kept):
+            if i in first:
+                layers = tuple(kept[k][1] for k in first[i])
+                joined = self._joins.get(layers) or self._joins.setdefault(layers, JoinedLinears(layers))
+                out.append((JOINED, joined, [kept[k][2][0] for k in first[i]]))
+            elif i not in rest:
+                out.append(unit)
+        return out
 
     def _exact_gradient(self, arrived, k: int) -> dict[int, torch.Tensor]:
         """Example k's gradient in float64 (parameter id -> tensor): formed per-sample gradients as they are (what

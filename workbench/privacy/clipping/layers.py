@@ -4,8 +4,8 @@ part of the per-sample squared gradient norms and of the clipped sum.
 Book-keeping hands a rule each call's (a, g) during the backward, as g arrives. The rule takes one of two routes:
 - per-sample gradients (``keeps`` false): ``per_sample(m, a, g)`` forms them at once, (n, *shape) per parameter, and
   a and g are let go; the norms are theirs, the clipped sum one matrix-vector product. Taken where they are no larger
-  than a and g (convolutions, sequences through narrow layers, normalisation affine parameters): memory like a
-  non-private step's, and the clipped sum costs no second weight-gradient kernel.
+  than a and g (convolutions, normalisation affine parameters; Linear sequences up to ``LinearRule.FORM_IF`` times
+  larger): memory near a non-private step's, and the clipped sum costs no second weight-gradient kernel.
 - kept calls (``keeps`` true): (a, g) are held until the clip factors are known, then
   ``prepare(m, calls, n)``              what the two steps below share (e.g. the calls joined), computed once;
   ``bound(m, state, n, batch)``         a :class:`~workbench.privacy.clipping.bound.Bound` per example: a certified upper
@@ -108,16 +108,20 @@ class Materialised:
 class LinearRule:
     """nn.Linear on (n, d) or (n, ..., d) inputs. One row per example: ||g_i a_i^T||^2 = ||a_i||^2 ||g_i||^2, the calls
     kept, the clipped sum one matmul. Sequences: the per-sample gradient sum_t g_it a_it^T (one batched matmul), formed
-    in place of a and g where smaller. Kept sequences take their norms by whichever costs fewer flops per example (the
-    mixed ghost-norm rule of Bu et al., 2023): per-sample gradients formed (T d_in d_out) or the Gram route
-    sum_{t,t'} <a_t,a_t'> <g_t,g_t'> (T^2 (d_in + d_out)), in float64 (never negative from cancellation as in float32;
-    weighted ``GRAM_IF`` for float64's cost: measured on the vit and gpt presets' shapes)."""
+    in place of a and g where at most ``FORM_IF`` times larger. Kept sequences take their norms by whichever costs
+    fewer flops per example (the mixed ghost-norm rule of Bu et al., 2023): per-sample gradients formed (T d_in d_out)
+    or the Gram route sum_{t,t'} <a_t,a_t'> <g_t,g_t'> (T^2 (d_in + d_out)), in float64 (never negative from
+    cancellation as in float32; weighted ``GRAM_IF`` for float64's cost: measured on the vit and gpt presets' shapes)."""
 
     GRAM_IF = 4.0
+    FORM_IF = 2.0  # sequences form per-sample gradients during the backward up to twice the memory of a and g: their
+    # clipped sum is then one matrix-vector product, not a second weight-gradient kernel (the gpt preset's layers, 1.0x
+    # to 1.6x: 0.52x -> 0.66x of non-private CPU time); wider ratios stay kept (vit's, 3.3x: forming measured slower)
 
-    @staticmethod
-    def keeps(m, a, g) -> bool:
-        return a.dim() == 2 or smaller_kept(m, a, g)
+    @classmethod
+    def keeps(cls, m, a, g) -> bool:
+        return a.dim() == 2 or cls.FORM_IF * (_per_example(a) + _per_example(g)) < sum(
+            getattr(m, name).numel() for name in trainable(m))
 
     @staticmethod
     def per_sample(m, a, g):
@@ -197,7 +201,8 @@ class LinearRule:
     def add_clipped(self, m, state, factor, view_of):
         a, g = state
         names = trainable(m)
-        dtype = view_of[id(getattr(m, names[0]))].dtype
+        layers = getattr(m, "layers", (m,))  # JoinedLinears: each layer's own columns of the joined g
+        dtype = view_of[id(getattr(layers[0], names[0]))].dtype
         if a.dim() == 2 and a.dtype == g.dtype == dtype:  # one row per example, in the buffer's precision
             self._add_clipped_rows(m, names, a, g, factor, view_of)
             return
@@ -208,11 +213,14 @@ class LinearRule:
             f = fs.view(-1, *[1] * (gs.dim() - 1))
             if "weight" in names:
                 left, right = (gs, as_ * f) if narrow_a else (gs * f, as_)
-                view_of[id(m.weight)].addmm_(left.to(dtype).reshape(-1, gs.shape[-1]).t(),
-                                             right.to(dtype).reshape(-1, as_.shape[-1]))
+                left, right = left.to(dtype).reshape(-1, gs.shape[-1]), right.to(dtype).reshape(-1, as_.shape[-1])
+                for layer, cols in _columns(layers):
+                    view_of[id(layer.weight)].addmm_(left[:, cols].t(), right)
             if "bias" in names:  # sum_i f_i sum_t g_it: per-example sums over T, one matrix-vector product, one cast
                 sums = gs.reshape(len(gs), -1, gs.shape[-1]).sum(1)
-                view_of[id(m.bias)].add_(torch.mv(sums.t(), fs.to(sums.dtype)).to(dtype))
+                total = torch.mv(sums.t(), fs.to(sums.dtype)).to(dtype)
+                for layer, cols in _columns(layers):
+                    view_of[id(layer.bias)].add_(total[cols])
 
     @staticmethod
     def _add_clipped_rows(m, names, a, g, factor, view_of):
@@ -236,6 +244,42 @@ class LinearRule:
         a, g = _abs(a, absolute), _abs(g, absolute)
         out = {"weight": g.t() @ a, "bias": g.sum(0)}
         return {name: out[name] for name in trainable(m)}
+
+
+def _columns(layers) -> list[tuple[nn.Linear, slice]]:
+    """Each layer's columns of its outputs set side by side."""
+    out, start = [], 0
+    for m in layers:
+        out.append((m, slice(start, start + m.out_features)))
+        start += m.out_features
+    return out
+
+
+class JoinedLinears:
+    """nn.Linear layers that read one and the same input tensor, each once, in one forward (self-attention's q, k and
+    v projections): to book-keeping one Linear whose outputs stand side by side. Example i's gradient of the stacked
+    weights [W_1; W_2; ...] is [g_1i a_i^T; g_2i a_i^T; ...], exactly the layers' own gradients stacked, so its norm is
+    their joint norm; the input's norms, Gram matrices and scaled copy are computed once, and each layer's clipped sum
+    is its own matmul on its columns of the joined g (the same products, rounded alike, as the layer alone: the
+    bound of the joined Linear covers each). Made once per set of layers and reused across steps."""
+
+    def __init__(self, layers: tuple[nn.Linear, ...]):
+        self.layers = layers
+        self._parameters = {name: torch.empty(sum(getattr(m, name).shape[0] for m in layers),
+                                              *getattr(layers[0], name).shape[1:], device="meta").requires_grad_()
+                            for name in trainable(layers[0])}
+        self.__dict__.update(self._parameters)
+
+
+class JoinedLinearRule(LinearRule):
+    """LinearRule on :class:`JoinedLinears`: its calls are the layers' own (one each, the same a), joined along the
+    output features."""
+
+    @staticmethod
+    def prepare(m, calls: Calls, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a = calls[0][0]
+        return (_precise(a).reshape(n, -1, a.shape[-1]),
+                torch.cat([_precise(g).reshape(n, -1, g.shape[-1]) for _, g in calls], -1))
 
 
 class EmbeddingRule:
