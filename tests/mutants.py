@@ -113,9 +113,10 @@ MUTANTS = (
            "groups.setdefault((a.shape,",
            ("tests/test_layers.py::test_q_k_v_reading_one_input_are_joined_and_each_example_is_clipped_as_the_oracle_"
             "clips_it[2]",)),
-    Mutant("bk-scalar-copies-read-per-feature", "a raw scalar's per-example copies are (n,): a (n, d) activation "
-           "reads copy j for feature j, mixing examples", "workbench/privacy/clipping/book_keeping.py",
-           "return p.expand(n, *[1] * self.ones)", "return p.expand(n)",
+    Mutant("bk-scalar-copies-read-per-feature", "a raw parameter's per-example copies take no 1s: a scalar's (n,) "
+           "on a (n, d) activation reads copy j for feature j, mixing examples (or cannot broadcast at all)",
+           "workbench/privacy/clipping/book_keeping.py",
+           "return p.expand(n, *[1] * self.ones, *shape)", "return p.expand(n, *shape)",
            ("tests/test_model_zoo.py::test_broadcast_parameters_get_each_examples_own_clipped_gradient"
             "[auto-layer_scale_rezero]",)),
     Mutant("fp-embedding-norm-without-kernel-error", "Embedding clips against float64 row sums, not the float32 "

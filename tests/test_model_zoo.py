@@ -74,6 +74,46 @@ class ReZeroSequence(nn.Module):
         return self.head((h + self.alpha * torch.tanh(self.mlp(h))).mean(1))
 
 
+class LayerScaleSequence(nn.Module):
+    """LLaMA's and timm's habits on (B, T, d) activations: an RMSNorm written by hand (its weight (d,)) and a
+    LayerScale module (gamma (d,)): copies (B, 1, d). T = 8, the check's batch size, so that copies (B, d) would
+    still broadcast, wrongly, on the check's batch: the check must not take them."""
+
+    class LayerScale(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.gamma = nn.Parameter(torch.full((d,), 0.3))
+
+        def forward(self, x):
+            return x * self.gamma
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.inp, self.mlp, self.head = nn.Linear(3, d), nn.Linear(d, d), nn.Linear(d, 3)
+        self.norm_weight, self.ls = nn.Parameter(torch.full((d,), 1.2)), self.LayerScale(d)
+
+    def forward(self, x):
+        h = self.inp(x.view(len(x), 8, 3))
+        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_weight
+        return self.head((h + self.ls(torch.tanh(self.mlp(n)))).mean(1))
+
+
+class ConvNeXtGamma(nn.Module):
+    """A ConvNeXt block: depthwise conv, channels-last LayerNorm and MLP, a gamma (d,) on (B, H, W, d): copies
+    (B, 1, 1, d)."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        self.stem, self.dw = nn.Conv2d(1, d, 2, stride=2), nn.Conv2d(d, d, 3, padding=1, groups=d)
+        self.norm, self.pw, self.head = nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, 3)
+        self.gamma = nn.Parameter(torch.full((d,), 0.4))
+
+    def forward(self, x):
+        h = self.stem(x.view(len(x), 1, 4, 4))
+        b = self.gamma * self.pw(torch.tanh(self.norm(self.dw(h).permute(0, 2, 3, 1))))
+        return self.head((h + b.permute(0, 3, 1, 2)).mean((2, 3)))
+
+
 class WithDropout(SharedPositions):
     def __init__(self):
         super().__init__()
@@ -84,7 +124,7 @@ class WithDropout(SharedPositions):
 
 
 MODELS = {"shared_positions": SharedPositions, "vit": TinyViT, "layer_scale_rezero": LayerScaleReZero,
-          "rezero_sequence": ReZeroSequence}
+          "rezero_sequence": ReZeroSequence, "layer_scale_sequence": LayerScaleSequence, "convnext_gamma": ConvNeXtGamma}
 
 
 def _clipped_sum_loop(make, x, y, clip):
@@ -124,7 +164,7 @@ def _data(n=11):
 def test_broadcast_parameters_get_each_examples_own_clipped_gradient(name, mode):
     make = _made(MODELS[name])
     x, y = _data()
-    if name != "shared_positions":
+    if name not in ("shared_positions", "layer_scale_sequence"):
         x = x[:, :16]
     step = _step(make(), mode)
     step.check((x[:8], y[:8]))

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 
 from workbench.errors import WorkbenchError
 from workbench.privacy.clipping.base import LossFn, check_tolerance, require_own
 
-SCALAR_RANKS = (1, 2, 3)  # the 1s a raw scalar's copies may take: (n, 1) for (n, d) activations ... (n, 1, 1, 1)
+RAW_ONES = (0, 1, 2, 3)  # the 1s a raw parameter's copies may take after the batch dimension (book_keeping._Raw)
 
 def _same(losses: torch.Tensor, plain: torch.Tensor) -> bool:
     """The hooked forward's losses are the model's own (to rounding: the same values reach different kernels)."""
@@ -78,17 +79,28 @@ class PreRunCheck:
         """On a real batch, in the model's training mode: each example's row of bk must be that example's own gradient
         (autograd's gradient of its loss alone). Time-major inputs, layers or losses that mix examples, and weights
         used outside their layer all fail it; mixing that appears only in larger batches cannot be seen.
-        Raw scalars (ReZero alphas) multiply activations of a rank the layers do not say: their copies' shape
-        (n, 1, ...) is the first of ``SCALAR_RANKS`` under which the check passes, else the first refusal is raised."""
-        scalars, refusal = [h for h in self.raw if h.weight.dim() == 0], None
-        for ones in SCALAR_RANKS if scalars else (1,):
-            for h in scalars:
-                h.ones = ones
-            try:
-                return self._check(batch, loss_fn)
-            except WorkbenchError as e:
-                refusal = refusal or e
-        raise refusal
+        Raw parameters multiply activations of a rank the layers do not say: each one's copies take the fewest 1s of
+        ``RAW_ONES`` under which the forward runs with it alone expanded, on the batch and on the batch less one example
+        (a batch size equal to a model dimension could broadcast a wrong shape; two sizes in a row almost never do, and
+        the check below refuses one that did: its gradients would mix examples)."""
+        for h in self.raw:
+            h.ones = next((k for k in RAW_ONES if self._fits(h, k, batch, loss_fn)), 0)  # none: refused below
+        return self._check(batch, loss_fn)
+
+    def _fits(self, h, ones: int, batch, loss_fn: LossFn) -> bool:
+        h.ones = ones
+        batches = [batch, batch.slice(0, len(batch) - 1)] if len(batch) > 2 and hasattr(batch, "slice") else [batch]
+        devices = [p.device for p in self.module.parameters() if p.device.type == "cuda"][:1]
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                for b in batches:
+                    with _reparametrize_module(self.module, {h.full: h.expand(len(b))}):
+                        losses = loss_fn(self.module, b)
+                    if losses.shape != (len(b),):
+                        return False
+        except Exception:  # noqa: BLE001 - this shape does not fit what the parameter multiplies
+            return False
+        return True
 
     def _check(self, batch, loss_fn: LossFn) -> None:
         was_training = self.module.training

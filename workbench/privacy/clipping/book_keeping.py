@@ -105,21 +105,23 @@ def raw_owner(m: nn.Module) -> bool:
 
 class _Raw:
     """One raw parameter as book-keeping's "layer": during its forwards the parameter p is replaced by p expanded to
-    one copy per example ((B, *p.shape[1:]) for a leading dimension of 1, else (B, *p.shape)), so an op that broadcast
-    it over the batch is elementwise, every value the same, and the gradient of copy i is example i's own gradient
-    of p. The pre-run check requires the losses to be the model's own and every example's gradient to be autograd's:
-    a parameter used otherwise (a matmul weight, a sum) is refused, never trained."""
+    one copy per example, (B, 1, ..., 1, *p.shape) with ``ones`` 1s (a leading dimension of 1 taken as the batch's:
+    a cls token (1, 1, d) -> (B, 1, d)), so an op that broadcast it over the batch is elementwise, every value the
+    same, and the gradient of copy i is example i's own gradient of p. The 1s line the copy up with what it multiplies:
+    a LayerScale gamma (d,) on (B, T, d) activations takes one, a ConvNeXt gamma on (B, H, W, d) two, a ReZero alpha ()
+    on (B, d) one; the pre-run check finds them (bk_check.RAW_ONES). It also requires the losses to be the model's
+    own and every example's gradient to be autograd's: a parameter used otherwise (a matmul weight, a slice, a sum)
+    is refused, never trained."""
 
     def __init__(self, owner: nn.Module, name: str, full: str):
         self.owner, self.name, self.full = owner, name, full
         self.weight = getattr(owner, name)
-        self.ones = 1  # a scalar's copies are (n, 1, ...): as many 1s as the rank of what it multiplies, less one
+        self.ones = 0
 
     def expand(self, n: int) -> torch.Tensor:
         p = self.weight
-        if p.dim() == 0:  # a ReZero alpha: one copy per example, broadcast over that example's own features
-            return p.expand(n, *[1] * self.ones)
-        return p.expand(n, *p.shape[1:]) if p.shape[0] == 1 else p.expand(n, *p.shape)
+        shape = p.shape[1:] if p.dim() and p.shape[0] == 1 else p.shape
+        return p.expand(n, *[1] * self.ones, *shape)
 
 
 
