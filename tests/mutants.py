@@ -95,6 +95,11 @@ MUTANTS = (
            "the float32 kernel's rounding of cancelling terms escapes the clip",
            "workbench/privacy/clipping/layers.py", "err += (formed + kernel) * magnitude", "err += 0 * magnitude",
            (FP_CANCEL + "[conv1x1_kept]", FP_CANCEL + "[patch_embedding]")),
+    Mutant("conv-gram-chunk-norms-misplaced", "the conv Gram route writes each chunk's norms to the first examples' "
+           "rows: an example is clipped by another's norm", "workbench/privacy/clipping/layers.py",
+           "n2[s:s + step] = (u.transpose", "n2[:len(u)] = (u.transpose",
+           ("tests/test_clipping.py::test_conv_rule_in_chunks_of_examples_matches_the_per_example_loop"
+            "[conv2d_kept_gram]",)),
     Mutant("fp-linear-seq-norm-without-kernel-error", "the Linear sequence kept route clips against the float32 "
            "per-sample norm, not the matmul's sum",
            "workbench/privacy/clipping/layers.py", "scale = (formed + gamma(kernel_depth(batch, steps)))",

@@ -252,6 +252,25 @@ def test_book_keeping_matches_the_per_example_loop(case, physical):
         torch.testing.assert_close(g.double(), e, rtol=CLIPPED_RTOL, atol=1e-6)
 
 
+@pytest.mark.parametrize("case", ["conv2d", "conv2d_strided_dilated_groups_nobias", "conv1d_same_reflect_groups",
+                                  "conv2d_kept_gram", "conv2d_kept", "conv2d_two_sizes_kept_gram"])
+def test_conv_rule_in_chunks_of_examples_matches_the_per_example_loop(case, monkeypatch):
+    """The conv rule forms per-sample gradients a few examples per grouped kernel and its kept calls' norms a chunk of
+    examples at a time (ConvRule.GROUPED_CHANNELS, CHUNK_ELEMENTS: sized for ResNet-18); here both are made small
+    enough that 9 examples take uneven chunks on every route, and the clipped sum is still the per-example loop's."""
+    monkeypatch.setattr(ConvRule, "GROUPED_CHANNELS", 8)  # 2 examples per kernel at 4 channels, 1 at 16 or more
+    monkeypatch.setattr(ConvRule, "CHUNK_ELEMENTS", 1000)  # a few examples per chunk of patches or Gram matrices
+    make, data = CASES[case]
+    x = data() * 3
+    y = torch.randint(0, 3, (len(x),), generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(0)
+    expected, bites = clipped_sum(make(), rows(x, y), CLIP)
+    assert bites >= 2
+    torch.manual_seed(0)
+    for g, e in zip(_bk_sum(make(), x, y, CLIP, 64), expected):
+        torch.testing.assert_close(g.double(), e, rtol=CLIPPED_RTOL, atol=1e-6)
+
+
 @pytest.mark.parametrize("case", ["tiny_transformer", "conv2d", "lora"])
 def test_bf16_weights_are_refused_and_bf16_autocast_is_the_way(case):
     """bf16 *weights* would make the clipped sum, its noise and the count bf16 (each addition rounded at 2^-9 of the
