@@ -119,6 +119,12 @@ def render(out: dict) -> str:
                   "torch.profiler (CPU, one thread) over one warm step of each kind at the batch above: the top "
                   f"{TOP} operators by self CPU time, ms per step (Python between operators is not counted)."]
         for name, e in profiled.items():
+            plain, ours = e["profile"]["non_private"], e["profile"]["ours"]
+            common = {op for op, _, _ in plain["top"]}
+            extra = ", ".join(f"`{op}` {ms:.0f} ms" for op, ms, _ in ours["top"] if op not in common)
+            lines += ["", f"{name}: the DP step's operators take {ours['self_cpu_ms']:.0f} ms of self CPU against "
+                      f"{plain['self_cpu_ms']:.0f} ms ({ours['self_cpu_ms'] / plain['self_cpu_ms']:.2f}x); in its top "
+                      f"{TOP} and not the non-private step's: {extra or 'none'}."]
             for k, prof in e["profile"].items():
                 lines += ["", f"**{name}, {k}** ({e['batch']} examples): {prof['self_cpu_ms']:.0f} ms self CPU", "",
                           "| operator | ms | % | calls |", "|---|---:|---:|---:|"]
