@@ -16,11 +16,12 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def profile_rows(step, batches, steps: int, top: int) -> tuple[float, list[tuple[str, float, int]]]:
-    """(ms per step, [(operator, self CPU ms per step, calls per step)] of the ``top`` costliest)."""
+def profile_rows(step, batches, steps: int, top: int, warm: int = 2) -> tuple[float, list[tuple[str, float, int]]]:
+    """(ms per step, [(operator, self CPU ms per step, calls per step)] of the ``top`` costliest), after ``warm``
+    untimed steps (0: a step already warmed by its caller)."""
     from torch.profiler import ProfilerActivity, profile
 
-    for b in batches[:2]:
+    for b in batches[:warm]:
         step(b, 0)  # warm: lazily made state is not the step's
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for s in range(steps):

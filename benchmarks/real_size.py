@@ -11,8 +11,11 @@ allocation trace (benchmarks.throughput.peak_step_bytes); not tracemalloc (it do
 getrusage (a process-wide high-water mark).
 
     python -m benchmarks.real_size            # the presets' batch and 256-token sequences: benchmarks/real_size.json
+    python -m benchmarks.real_size --medium   # batch 16 (ResNet-18: 64), 128-token sequences: minutes on 2 cores
     python -m benchmarks.real_size --quick    # batch 4, 32-token sequences, 2 steps: seconds per preset (CI)
-Both write benchmarks/REAL_SIZE.md from the JSON (--out DIR: elsewhere).
+    ... --profile                             # and where a step's time goes: torch.profiler over one non-private and
+                                              # one DP step of each preset, the top operators by self CPU time
+All write benchmarks/REAL_SIZE.md from the JSON (--out DIR: elsewhere).
 """
 
 from __future__ import annotations
@@ -28,17 +31,23 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 NAMES = ("bench_minilm", "bench_gpt2_lora", "bench_resnet18")
 ROWS = ("non_private", "ours", "opacus_ghost")
-# mode -> (batch cap, overrides, warm-up steps, steps per timed block, repeats)
+# mode -> (batch cap, overrides, warm-up steps, steps per timed block, repeats). Medium: the full run of the two
+# language models takes over an hour on 2 cores; the ResNet's cap stays larger, since at 16 images the per-step costs
+# of its 11M parameters (noise, buffer, optimizer: ~0.2 s) would be what is measured.
 MODES = {"quick": (4, ("data.train.length=32", "data.train.size=64"), 1, 2, 1),
+         "medium": ({"bench_resnet18": 64}, ("data.train.length=128",), 1, 2, 3),
          "full": (None, (), 1, 3, 3)}
+TOP = 8  # operators per profiled step in REAL_SIZE.md
 
 
-def measure(name: str, quick: bool) -> dict:
+def measure(name: str, mode: str, profile: bool = False) -> dict:
     from benchmarks.common import interleaved, median, timed
     from benchmarks.presets import PRESETS, preset
     from benchmarks.throughput import Replay, opacus_ghost_step, peak_step_bytes, plain_step, workbench_step
 
-    cap, extra, warmup, steps, repeats = MODES["quick" if quick else "full"]
+    cap, extra, warmup, steps, repeats = MODES[mode]
+    if isinstance(cap, dict):
+        cap = cap.get(name, 16)
     p = preset(name, cap, extra if name != "bench_resnet18" else tuple(e for e in extra if "length" not in e))
     kw = dict(criterion=p.criterion(reduction="none"), expected_batch=p.batch_size,
               max_physical_batch_size=p.cfg.max_physical_batch_size, check_on=p.first_examples(8))
@@ -71,11 +80,18 @@ def measure(name: str, quick: bool) -> dict:
             for k, v in rates.items()}
     if "opacus_ghost" in rows:
         rows["ours"]["vs_opacus_ghost"] = rows["ours"]["samples_per_s"] / rows["opacus_ghost"]["samples_per_s"]
+    profiles = {}
+    if profile:  # the steps are warm (timed above): one profiled step each, on the same replayed batch
+        from benchmarks.profile_presets import profile_rows
+
+        for k in ("non_private", "ours"):
+            total, top = profile_rows(made[k], batches[:1], 1, TOP, warm=0)
+            profiles[k] = {"self_cpu_ms": total, "top": [list(r) for r in top]}
     return {"what": PRESETS[name][1], "batch": p.batch_size, "preset_batch": preset(name).batch_size,
             "sequence": p.cfg.data.train.get("length"), "grad_sample_mode": gs.mode,
             "physical_batch_size": gs.max_physical_batch_size,
             "trainable_parameters": sum(x.numel() for x in gs.params), "steps_per_block": steps, "repeats": repeats,
-            "rows": rows, "refused": refused}
+            "rows": rows, "refused": refused, "profile": profiles}
 
 
 def render(out: dict) -> str:
@@ -97,6 +113,23 @@ def render(out: dict) -> str:
             elif k in e["refused"]:
                 lines.append(f"| {name} | | | | | {k} | cannot run: {e['refused'][k]} | | | |")
     lines += ["", "What each row is: the docstring of `benchmarks/real_size.py`."]
+    profiled = {name: e for name, e in out["presets"].items() if e.get("profile")}
+    if profiled:
+        lines += ["", "## Where a step's time goes", "",
+                  "torch.profiler (CPU, one thread) over one warm step of each kind at the batch above: the top "
+                  f"{TOP} operators by self CPU time, ms per step (Python between operators is not counted)."]
+        for name, e in profiled.items():
+            plain, ours = e["profile"]["non_private"], e["profile"]["ours"]
+            common = {op for op, _, _ in plain["top"]}
+            extra = ", ".join(f"`{op}` {ms:.0f} ms" for op, ms, _ in ours["top"] if op not in common)
+            lines += ["", f"{name}: the DP step's operators take {ours['self_cpu_ms']:.0f} ms of self CPU against "
+                      f"{plain['self_cpu_ms']:.0f} ms ({ours['self_cpu_ms'] / plain['self_cpu_ms']:.2f}x); in its top "
+                      f"{TOP} and not the non-private step's: {extra or 'none'}."]
+            for k, prof in e["profile"].items():
+                lines += ["", f"**{name}, {k}** ({e['batch']} examples): {prof['self_cpu_ms']:.0f} ms self CPU", "",
+                          "| operator | ms | % | calls |", "|---|---:|---:|---:|"]
+                lines += [f"| `{op}` | {ms:.0f} | {100 * ms / prof['self_cpu_ms']:.0f} | {calls} |"
+                          for op, ms, calls in prof["top"]]
     if out["mode"] == "quick":
         lines += ["At quick mode's batch 4 the peak memory is mostly parameter-sized gradient buffers (the non-private "
                   "step allocates its gradients each step, ours reuses one flat buffer) and, for the decoder, its "
@@ -106,7 +139,10 @@ def render(out: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.real_size", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true")
+    size.add_argument("--medium", action="store_true")
+    parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -114,11 +150,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     set_threads()
     t = time.time()
-    out = {"mode": "quick" if args.quick else "full",
-           "command": "python -m benchmarks.real_size" + (" --quick" if args.quick else ""),
+    mode = "quick" if args.quick else "medium" if args.medium else "full"
+    out = {"mode": mode,
+           "command": "python -m benchmarks.real_size" + ("" if mode == "full" else f" --{mode}")
+           + (" --profile" if args.profile else ""),
            "machine": machine_info(), "load": os.getloadavg(), "presets": {}}
     for name in NAMES:
-        out["presets"][name] = e = measure(name, args.quick)
+        out["presets"][name] = e = measure(name, mode, args.profile)
         print(f"{name} (ours: {e['grad_sample_mode']}, micro-batch {e['physical_batch_size']}): " + ", ".join(
             f"{k} {v['samples_per_s']:.2f}/s ({v['throughput_vs_non_private']:.2f}x, mem "
             f"{v['peak_memory_vs_non_private']:.2f}x)" for k, v in e["rows"].items())

@@ -95,6 +95,18 @@ MUTANTS = (
            "the float32 kernel's rounding of cancelling terms escapes the clip",
            "workbench/privacy/clipping/layers.py", "err += (formed + kernel) * magnitude", "err += 0 * magnitude",
            (FP_CANCEL + "[conv1x1_kept]", FP_CANCEL + "[patch_embedding]")),
+    Mutant("conv-input-gram-offsets-unstrided", "the conv Gram route without patches reads the input positions' Gram "
+           "as if stride and dilation were 1: strided or dilated layers' norms are wrong",
+           "workbench/privacy/clipping/layers.py", "rows = tuple(slice(o * d, o * d + (size - 1) * st + 1, st)",
+           "rows = tuple(slice(o, o + size)",
+           ("tests/test_clipping.py::test_the_input_gram_route_gives_each_examples_squared_norm[config1]",
+            "tests/test_clipping.py::test_book_keeping_matches_the_per_example_loop[64-conv1d_dilated_kept_gram_by_"
+            "inputs]")),
+    Mutant("conv-gram-chunk-norms-misplaced", "the conv Gram route writes each chunk's norms to the first examples' "
+           "rows: an example is clipped by another's norm", "workbench/privacy/clipping/layers.py",
+           "n2[s:s + step] = (u.transpose", "n2[:len(u)] = (u.transpose",
+           ("tests/test_clipping.py::test_conv_rule_in_chunks_of_examples_matches_the_per_example_loop"
+            "[conv2d_kept_gram]",)),
     Mutant("fp-linear-seq-norm-without-kernel-error", "the Linear sequence kept route clips against the float32 "
            "per-sample norm, not the matmul's sum",
            "workbench/privacy/clipping/layers.py", "scale = (formed + gamma(kernel_depth(batch, steps)))",

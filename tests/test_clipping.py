@@ -72,6 +72,25 @@ class _WideConv(nn.Module):
         return self.head(torch.tanh(self.c(x.view(len(x), 8, self.side, self.side))).mean((2, 3)))
 
 
+class _KeptByInputs(nn.Module):
+    """A kept 3-tap/3x3 layer whose Gram route reads the patches' Gram off the input positions' Gram
+    (ConvRule.by_inputs): 2-d zero-padded, or 1-d dilated."""
+
+    def __init__(self, dims=2):
+        super().__init__()
+        self.dims, self.shape = dims, ((8, 3, 3) if dims == 2 else (8, 8))
+        self.c = nn.Conv2d(8, 16, 3, padding=1) if dims == 2 else nn.Conv1d(8, 16, 3, padding=2, dilation=2)
+        self.head = nn.Linear(16, 3)
+        a = torch.zeros(1, *self.shape)
+        g = self.c(a)
+        rule = ConvRule()
+        assert rule.keeps(self.c, a, g) and rule.use_gram(self.c, g[0, 0].numel())
+        assert rule.by_inputs(self.c, a, self.c.padding, g[0, 0].numel())
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.c(x.view(len(x), *self.shape))).flatten(2).mean(-1))
+
+
 class _BothRoutes(nn.Module):
     """One Linear called on a sequence (per-sample gradients formed at once) and on one row per example (kept)."""
 
@@ -222,6 +241,8 @@ CASES = {
     "conv2d_same_circular": (lambda: _Conv(2, padding="same", padding_mode="circular"), lambda: _floats(9, 72)),
     "conv2d_kept_gram": (_WideConv, lambda: _floats(9, 128)),
     "conv2d_kept": (lambda: _WideConv(side=6), lambda: _floats(9, 288)),
+    "conv2d_kept_gram_by_inputs": (_KeptByInputs, lambda: _floats(9, 72)),
+    "conv1d_dilated_kept_gram_by_inputs": (lambda: _KeptByInputs(1), lambda: _floats(9, 64)),
     "linear_both_routes": (_BothRoutes, lambda: _floats(9, 12)),
     "conv2d_two_sizes_two_routes": (_ConvTwoSizes, lambda: _floats(9, 512)),
     "conv2d_two_sizes_kept_gram": (lambda: _ConvTwoSizes(wide=True), lambda: _floats(9, 256)),
@@ -250,6 +271,54 @@ def test_book_keeping_matches_the_per_example_loop(case, physical):
     assert len(got) == len(expected)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g.double(), e, rtol=CLIPPED_RTOL, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["conv2d", "conv2d_strided_dilated_groups_nobias", "conv1d_same_reflect_groups",
+                                  "conv2d_kept_gram", "conv2d_kept", "conv2d_two_sizes_kept_gram",
+                                  "conv2d_kept_gram_by_inputs"])
+def test_conv_rule_in_chunks_of_examples_matches_the_per_example_loop(case, monkeypatch):
+    """The conv rule forms per-sample gradients a few examples per grouped kernel and its kept calls' norms a chunk of
+    examples at a time (ConvRule.GROUPED_CHANNELS, CHUNK_ELEMENTS: sized for ResNet-18); here both are made small
+    enough that 9 examples take uneven chunks on every route, and the clipped sum is still the per-example loop's."""
+    monkeypatch.setattr(ConvRule, "GROUPED_CHANNELS", 8)  # 2 examples per kernel at 4 channels, 1 at 16 or more
+    monkeypatch.setattr(ConvRule, "CHUNK_ELEMENTS", 1000)  # a few examples per chunk of patches or Gram matrices
+    make, data = CASES[case]
+    x = data() * 3
+    y = torch.randint(0, 3, (len(x),), generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(0)
+    expected, bites = clipped_sum(make(), rows(x, y), CLIP)
+    assert bites >= 2
+    torch.manual_seed(0)
+    for g, e in zip(_bk_sum(make(), x, y, CLIP, 64), expected):
+        torch.testing.assert_close(g.double(), e, rtol=CLIPPED_RTOL, atol=1e-6)
+
+
+@pytest.mark.parametrize("config", [dict(dims=2, padding=1), dict(dims=2, stride=2, padding=1, groups=2),
+                                    dict(dims=2, dilation=2, padding=(2, 0), kernel_size=(3, 2)),
+                                    dict(dims=1, stride=3, dilation=2, padding=3), dict(dims=1, kernel_size=1)])
+def test_the_input_gram_route_gives_each_examples_squared_norm(config):
+    """ConvRule's Gram route without patches (U^T U summed from shifted blocks of the input positions' Gram) against
+    each example's float64 autograd gradient, on strides, dilations, groups and paddings the cost rule rarely picks."""
+    dims = config.pop("dims")
+    config = {"kernel_size": 3, **config}
+    conv = (nn.Conv1d if dims == 1 else nn.Conv2d)(4, 6, **config).double()
+    x = torch.randn(5, 4, *([7] * dims), dtype=torch.float64)
+    y = conv(x)
+    g = torch.randn_like(y)
+    expected = torch.stack([torch.autograd.grad(conv(x[i:i + 1]), conv.weight, g[i:i + 1])[0].square().sum()
+                            for i in range(len(x))])
+    got = ConvRule()._input_gram_norms(conv, x.float(), conv.padding, g.float())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+
+
+def test_the_input_gram_route_is_taken_on_resnet18s_small_stride_1_layers():
+    """Where C_in Lp^2 < C_in k L^2: the stride-1 3x3 layers at 8x8 and 4x4 (2-3x faster measured), not at 16x16 (the
+    layer's Gram loses to formed per-sample gradients there) nor on strided layers (4x the input positions)."""
+    rule = ConvRule()
+    for c, side, stride, taken in ((256, 8, 1, True), (512, 4, 1, True), (128, 16, 2, False), (256, 8, 2, False)):
+        conv = nn.Conv2d(c, c, 3, stride, 1)
+        assert rule.by_inputs(conv, torch.zeros(1, c, side, side), (1, 1), (side // stride) ** 2) is taken, (c, side)
+    assert not rule.use_gram(nn.Conv2d(128, 128, 3, 1, 1), 16 * 16)
 
 
 @pytest.mark.parametrize("case", ["tiny_transformer", "conv2d", "lora"])

@@ -100,6 +100,8 @@ LAYERS = {
     "lora": (lambda: Probe(LoRALinear(32, 32), (6, 32), 32, 6), 6, 32),
     "conv1x1_kept": (lambda: Probe(nn.Conv2d(64, 64, 1), (64, 4, 4), 64, 16, channels_first=True), 16, 64),
     "patch_embedding": (lambda: PatchProbe(), 8, 48),
+    "conv3x3_kept_gram_by_inputs": (lambda: Probe(nn.Conv2d(16, 32, 3, padding=1), (16, 3, 3), 32, 9,
+                                                  channels_first=True), 9, 16),
     "conv1d_stride_groups": (lambda: Probe(nn.Conv1d(8, 8, 3, stride=2, groups=2), (8, 16), 8, 7,
                                            channels_first=True), 16, 8),
     "conv2d_formed": (lambda: Probe(nn.Conv2d(2, 4, 3, padding=1), (2, 6, 6), 4, 36, channels_first=True), 36, 2),
@@ -223,7 +225,8 @@ def _embedding_cancelling(model: EmbeddingProbe, seed: int) -> torch.Tensor:
     return torch.full((1, 12), 1.0)
 
 
-@pytest.mark.parametrize("name", ["conv1x1_kept", "patch_embedding", "linear_seq_kept", "linear_seq_gram", "embedding"])
+@pytest.mark.parametrize("name", ["conv1x1_kept", "patch_embedding", "conv3x3_kept_gram_by_inputs", "linear_seq_kept",
+                                  "linear_seq_gram", "embedding"])
 def test_inputs_that_cancel_across_positions_are_released_within_the_clip(name):
     """The issue's cases: one example whose terms cancel across positions (a 1x1 convolution and a patch embedding on
     the kept/Gram route, a Linear on sequences, an Embedding whose repeated rows cancel). Its exact gradient is near 0,

@@ -22,6 +22,7 @@ round there; the sum is cast to the buffer's dtype only when added.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -337,7 +338,10 @@ class ConvRule:
     the Gram trick ||g_i U_i^T||^2 = sum_{l,l'} (U_i^T U_i)(g_i^T g_i) on unfolded patches U_i, in float64 against
     cancellation; their clipped sum is the layer's weight-gradient kernel on the clip-scaled output gradient."""
 
-    CHUNK_ELEMENTS = 2 ** 18  # patches, Gram matrices, per-sample gradients formed at once for kept calls: 1-2 MiB
+    CHUNK_ELEMENTS = 2 ** 21  # patches and Gram matrices (float64) or per-sample gradients formed at once for kept
+    # calls' norms: 8-16 MiB (2^18 formed ResNet-18's wide layers one example at a time, Python-bound)
+    GROUPED_CHANNELS = 1024  # output channels of one weight-gradient kernel with examples folded into its groups:
+    # oneDNN's grouped kernel measured 1.2-3x slower per example past it (ResNet-18's 128-512-channel layers)
     GRAM_IF = 1.0  # Gram when GRAM_IF * L^2 (C_in k + C_out) < L C_in k C_out per group (flops; the small CNN's
     # kept layer measured alike either way, a wide 256-channel 4x4 layer 3x faster by Gram)
 
@@ -364,13 +368,28 @@ class ConvRule:
             g, x, x.new_empty(1).expand(examples * m.weight.shape[0], *m.weight.shape[1:]), None, m.stride, padding,
             m.dilation, False, (0,) * len(padding), m.groups * examples, (False, True, False))[1]
 
+    def folded(self, m) -> int:
+        """Examples folded into one grouped weight-gradient kernel (see GROUPED_CHANNELS)."""
+        return max(1, self.GROUPED_CHANNELS // m.out_channels)
+
+    def _per_example_weights(self, m, x, padding, g) -> torch.Tensor:
+        """(n, *weight.shape) per-sample weight gradients, ``folded`` examples per kernel call."""
+        n, k = len(x), self.folded(m)
+        if n <= k:
+            return self._weight_grad(m, x, padding, g, n).view(n, *m.weight.shape)
+        out = g.new_empty(n, *m.weight.shape)
+        for s in range(0, n, k):
+            xs, gs = x[s:s + k], g[s:s + k]
+            out[s:s + len(gs)] = self._weight_grad(m, xs, padding, gs, len(gs)).view(len(gs), *m.weight.shape)
+        return out
+
     def per_sample(self, m, a, g):
         n, names = len(a), trainable(m)
         g = _precise(g)
         out = {}
         if "weight" in names:
             x, padding = self._padded(m, _precise(a))
-            out["weight"] = self._weight_grad(m, x, padding, g, n).view(n, *m.weight.shape)
+            out["weight"] = self._per_example_weights(m, x, padding, g)
         if "bias" in names:
             out["bias"] = g.flatten(2).sum(2)
         return out
@@ -384,6 +403,34 @@ class ConvRule:
         d = m.out_channels // m.groups
         return self.GRAM_IF * length * (p + d) < p * d
 
+    @staticmethod
+    def by_inputs(m, x: torch.Tensor, padding, length: int) -> bool:
+        """Whether the Gram route takes the patches' Gram from the input positions' Gram (:meth:`_input_gram_norms`):
+        C_in Lp^2 products against the patches' C_in k L^2 (fewer on stride-1 3x3 layers at 8x8 and below: 2-3x
+        faster on ResNet-18's, where a strided layer's input has 4x its output's positions and loses)."""
+        lp = math.prod(size + 2 * q for size, q in zip(x.shape[2:], padding))
+        return lp * lp < math.prod(m.kernel_size) * length * length
+
+    def _input_gram_norms(self, m, x: torch.Tensor, padding, g: torch.Tensor) -> torch.Tensor:
+        """(n,) float64 squared norms of one call's per-sample weight gradients sum_l g_l U_l^T, by the Gram trick
+        without patches: U_l^T U_l' = sum_k P[s l + d k, s l' + d k] over the kernel offsets k (stride s, dilation d),
+        P = X^T X the Gram of the zero-padded input's positions, per group. The same products as the patches' Gram,
+        each entry summed over C_in / groups + k terms (bound: gamma64 of depth p + k + C_out + L^2 + 2)."""
+        if any(padding):
+            x = F.pad(x, [q for p in reversed(padding) for q in (p, p)])
+        n, spatial, out = len(x), tuple(x.shape[2:]), tuple(g.shape[2:])
+        xs = x.double().reshape(n, m.groups, -1, math.prod(spatial))
+        inputs = (xs.transpose(-1, -2) @ xs).view(n, m.groups, *spatial, *spatial)
+        gs = g.double().reshape(n, m.groups, -1, math.prod(out))
+        outputs = (gs.transpose(-1, -2) @ gs).view(n, m.groups, *out, *out)
+        patches = None  # U^T U, as (n, groups, *out, *out)
+        for offset in itertools.product(*[range(k) for k in m.kernel_size]):
+            rows = tuple(slice(o * d, o * d + (size - 1) * st + 1, st)
+                         for o, d, size, st in zip(offset, m.dilation, out, m.stride))
+            view = inputs[(slice(None), slice(None), *rows, *rows)]
+            patches = view.clone() if patches is None else patches.add_(view)
+        return patches.mul_(outputs).flatten(1).sum(1).clamp_(min=0)
+
     def _patches(self, m, x: torch.Tensor, padding) -> torch.Tensor:
         """(n, C_in, *spatial) -> (n, groups, C_in/groups * k, L): unfold's channel-major order is the weight's."""
         one_d = x.dim() == 3
@@ -391,6 +438,20 @@ class ConvRule:
                      dilation=(1, *m.dilation) if one_d else m.dilation, padding=(0, *padding) if one_d else padding,
                      stride=(1, *m.stride) if one_d else m.stride)
         return u.view(len(x), m.groups, -1, u.shape[-1])
+
+    def _patches_as(self, m, x: torch.Tensor, padding, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`_patches` (the same values, same order) made by one strided copy into ``dtype``: F.unfold's im2col
+        and a cast after it measured 2x slower on ResNet-18's 8x8 layers. The check keeps F.unfold, its own route."""
+        if any(padding):
+            x = F.pad(x, [q for p in reversed(padding) for q in (p, p)])
+        out = [(size - d * (k - 1) - 1) // st + 1
+               for size, k, d, st in zip(x.shape[2:], m.kernel_size, m.dilation, m.stride)]
+        st = x.stride()
+        windows = x.as_strided((len(x), x.shape[1], *m.kernel_size, *out),
+                               (st[0], st[1], *[d * s for d, s in zip(m.dilation, st[2:])],
+                                *[k * s for k, s in zip(m.stride, st[2:])]))
+        u = torch.empty(windows.shape, dtype=dtype, device=x.device).copy_(windows)
+        return u.view(len(x), m.groups, -1, math.prod(out))
 
     def _patch_squares(self, m, x: torch.Tensor, padding) -> torch.Tensor:
         """(n,) float64 upper bounds on sum_l ||U_l||^2 over the input patches U_l the output positions read (all
@@ -422,19 +483,28 @@ class ConvRule:
             patches = sum(self._patch_squares(m, x, padding) for x, padding, _ in state).sqrt_()
             magnitude = patches.mul_(gn).mul_((1 + g_rel) * (1 + 4 * U64))
             gram = self.use_gram(m, lengths)
+            by_inputs = gram and len(state) == 1 and self.by_inputs(m, state[0][0], state[0][1], lengths)
             p = m.in_channels // m.groups * math.prod(m.kernel_size)
-            formed = math.sqrt(gamma(p + m.out_channels + lengths ** 2 + 2, U64)) if gram else gamma(lengths + 1)
+            depth = p + (math.prod(m.kernel_size) if by_inputs else 0) + m.out_channels + lengths ** 2 + 2
+            formed = math.sqrt(gamma(depth, U64)) if gram else gamma(lengths + 1)
             err += (formed + kernel) * magnitude
-            # chunks of examples bound the memory of patches, Gram matrices and per-sample gradients
-            per = m.groups * lengths * (lengths if gram else 1) + m.in_channels * math.prod(m.kernel_size) * lengths \
-                + m.weight.numel()
-            step = max(1, self.CHUNK_ELEMENTS // per)
+            # chunks of examples bound the memory of patches and Gram matrices (float64) or per-sample gradients
+            if by_inputs:
+                lp = math.prod(size + 2 * q for size, q in zip(state[0][0].shape[2:], state[0][1]))
+                per = m.groups * (lp * lp + 2 * lengths ** 2) + m.in_channels * lp + m.out_channels * lengths
+                step = max(1, self.CHUNK_ELEMENTS // per)
+            elif gram:
+                per = 2 * m.groups * lengths ** 2 + (m.in_channels * math.prod(m.kernel_size) + m.out_channels) * lengths
+                step = max(1, self.CHUNK_ELEMENTS // per)
+            else:
+                step = max(1, min(self.CHUNK_ELEMENTS // m.weight.numel(), self.folded(m)))
             for s in range(0, n, step):
                 chunk = [(x[s:s + step], padding, g[s:s + step]) for x, padding, g in state]
-                if gram:  # unfolded patches, the calls joined along positions
-                    u = _cat([self._patches(m, x, padding) for x, padding, _ in chunk], -1).to(torch.float64)
-                    g = _cat([g.reshape(len(g), m.groups, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
-                    g = g.to(torch.float64)
+                if by_inputs:
+                    n2[s:s + step] = self._input_gram_norms(m, *chunk[0])
+                elif gram:  # the patches in float64 (exact: the same values), the calls joined along positions
+                    u = _cat([self._patches_as(m, x, padding, torch.float64) for x, padding, _ in chunk], -1)
+                    g = _cat([g.double().reshape(len(g), m.groups, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
                     n2[s:s + step] = (u.transpose(-1, -2) @ u).mul_(g.transpose(-1, -2) @ g).sum((1, 2, 3)).clamp_(min=0)
                 else:
                     b = squares(sum(self._weight_grad(m, x, padding, g, len(g)).view(len(g), -1) for x, padding, g in chunk))
