@@ -172,7 +172,6 @@ class GradientStep:
     def _skip(self, mode: str, reason: str, why: str | None = None) -> None:
         self.skipped.append((mode, reason if len(reason) <= 200 else reason[:200].rsplit(" ", 1)[0] + " ...", why))
 
-
     def _check(self, batch: Batch) -> None:
         """The strategy's pre-run check. With auto, a mode that fails it is skipped for the next (the reason kept for
         mode_note); any other refusal names the module to blame when one can be found (workbench/model_checks.py)."""
