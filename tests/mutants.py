@@ -135,6 +135,14 @@ MUTANTS = (
            "index_add_ that sums them", "workbench/privacy/clipping/layers.py",
            "magnitude.mul_((gamma(steps, U64) + gamma(kernel_depth(batch, steps))) * scale)",
            "magnitude.mul_(0 * scale)", (FP_CANCEL + "[embedding]",)),
+    Mutant("bk-tied-weight-without-cross-term", "a weight tied between an Embedding and a Linear (GPT-2's wte and "
+           "lm_head) clipped by ||E||^2 + ||L||^2, not ||E + L||^2: the example's norm is wrong either way",
+           "workbench/privacy/clipping/tied.py", "out.append(ee.add_(ll).add_(el, alpha=2.0))",
+           "out.append(ee.add_(ll))",
+           ("tests/test_model_zoo.py::test_a_token_embedding_tied_to_the_lm_head_is_clipped_exactly_on_bk[False-False]",)),
+    Mutant("fp-tied-norm-without-error", "the tied pair clips against its float64 Gram norm alone, not what its "
+           "float32 index_add_ and matmul add", "workbench/privacy/clipping/tied.py",
+           "scale = (1 + max(u_rel, g_rel))", "scale = 0 * (1 + max(u_rel, g_rel))", (FP_CANCEL + "[tied]",)),
     Mutant("fp-linear-rows-norm-in-bf16", "the Linear rows route's norms from bf16-rounded inputs: rounded down, an "
            "example escapes the clip", "workbench/privacy/clipping/layers.py", "aa = torch.linalg.vecdot(a, a)", "aa = torch.linalg.vecdot(a.bfloat16(), a.bfloat16()).float()",
            (FP_FUZZ,)),

@@ -75,15 +75,40 @@ def test_hf_position_embeddings_train_unfrozen_through_auto(name):
     assert step.params[named.index(POSITIONS[name])].grad.abs().sum() > 0
 
 
-def test_auto_refusing_shared_positions_suggests_no_fix_auto_already_tried():
+def test_the_models_own_position_ids_of_shape_1_by_t_train_on_bk():
+    """Without workbench's per-example position_ids, BERT looks its positions up with ids (1, T), broadcast over the
+    batch: bk expands them to (B, T) (a leading 1 taken as the batch's) and clips the table exactly."""
+    ids, mask = _batch()
+    labels = torch.tensor([0, 1, 1, 0, 1, 0])
+
+    def loss(m, e):
+        return nn.functional.cross_entropy(m(input_ids=e["input_ids"][None],
+                                             attention_mask=e["attention_mask"][None]).logits, e["labels"][None])
+    examples = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(6)]
     model = _make("bert")
+    model._forward_pre_hooks.clear()
+    expected = clipped_sum(model, examples, 0.1, loss)
+    step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=0.1,
+                        noise_multiplier=0.0, grad_sample_mode="auto", max_physical_batch_size=4)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    step.check(batch)
+    assert step.mode == "bk", step.mode_note
+    step(batch, step=0)
+    named = [n for n, p in step.model.named_parameters() if p.requires_grad]
+    for n, p, e in zip(named, step.params, expected.grads):
+        torch.testing.assert_close(p.grad.double(), e, rtol=CLIPPED_RTOL, atol=1e-7, msg=n)
+    assert step.params[named.index(POSITIONS["bert"])].grad.abs().sum() > 0
+
+
+def test_auto_refusing_shared_positions_suggests_no_fix_auto_already_tried():
+    model = _make("gpt2")  # Conv1D: no bk rule; the shared position ids: no other per-layer mode
     model._forward_pre_hooks.clear()  # the model's own shared position ids: no per-layer mode, and HF's forward fails vmap
     ids, mask = _batch()
-    step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=0.1,
+    step = GradientStep(model, TokenCrossEntropy(), setup("gloo"), max_grad_norm=0.1,
                         noise_multiplier=0.0, grad_sample_mode="auto")
     with pytest.raises(WorkbenchError) as e:
-        step.check({"input_ids": ids, "attention_mask": mask, "labels": torch.zeros(6, dtype=torch.long)})
+        step.check({"input_ids": ids, "attention_mask": mask, "labels": ids})
     msg = str(e.value)
     assert msg.startswith("grad_sample_mode=auto found no mode") and "\n" not in msg
-    assert "position_embeddings (Embedding)" in msg and "torch.arange(T).expand(B, T)" in msg
+    assert "wpe (Embedding)" in msg and "torch.arange(T).expand(B, T)" in msg
     assert "use grad_sample_mode=auto" not in msg

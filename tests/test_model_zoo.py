@@ -274,26 +274,39 @@ class MinGPT(nn.Module):
 
 class NanoGPT(nn.Module):
     """nanoGPT's habits: the token embedding tied to the LM head, LayerNorm without bias (which Opacus' hooks crash
-    on), F.scaled_dot_product_attention with is_causal, positions looked up with torch.arange(T)."""
+    on), F.scaled_dot_product_attention with is_causal, positions looked up with torch.arange(T). ``shared``: a second
+    projection layer sharing the first's weight, as ALBERT shares layers (bk clips only an Embedding tied to a Linear).
+    """
 
-    def __init__(self, vocab=11, t=6, d=8):
+    def __init__(self, vocab=11, t=6, d=8, shared=False, bias=False, lead=False):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(t, d)
         self.ln, self.qkv, self.proj = nn.LayerNorm(d, bias=False), nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head = nn.Linear(d, vocab, bias=bias)
         self.wte.weight = self.lm_head.weight
+        self.again, self.lead = nn.Linear(d, d) if shared else None, lead
+        if shared:
+            self.again.weight = self.proj.weight
 
     def forward(self, ids):
         b, t = ids.shape
-        x = self.wte(ids) + self.wpe(torch.arange(t, device=ids.device))
+        pos = torch.arange(t, device=ids.device)
+        x = self.wte(ids) + self.wpe(pos.unsqueeze(0) if self.lead else pos)  # nanoGPT's first version: (1, T)
         q, k, v = (h.view(b, t, 2, -1).transpose(1, 2) for h in self.qkv(self.ln(x)).chunk(3, -1))
         x = x + self.proj(nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
                           .reshape(b, t, -1))
+        if self.again is not None:
+            x = x + self.again(torch.tanh(x))
         return self.lm_head(x)[:, -1, :3]  # the next token, as 3 classes
 
 
+class SharedLayersNanoGPT(NanoGPT):
+    def __init__(self):
+        super().__init__(shared=True)
+
+
 @pytest.mark.parametrize("cls, said", [(MinGPT, "hooks skipped: NotImplementedError: "),
-                                       (NanoGPT, "hooks skipped: AttributeError: ")])
+                                       (SharedLayersNanoGPT, "hooks skipped: AttributeError: ")])
 def test_auto_skips_a_mode_whose_own_machinery_fails_on_the_model_and_clips_it_exactly(cls, said):
     """A mode that crashes on a model (Opacus refusing its module layout, or failing inside a hook) is skipped as a
     failed check is, said in one line, and the next mode clips exactly: here vmap, against the float64 loop."""
@@ -303,11 +316,35 @@ def test_auto_skips_a_mode_whose_own_machinery_fails_on_the_model_and_clips_it_e
     step = _step(make(), "auto", physical=4)
     step.check((x[:8], y[:8]))
     assert step.mode == "vmap" and said in step.mode_note and "\n" not in step.mode_note, step.mode_note
-    if cls is NanoGPT:  # the faster mode left out before any check says why too
-        assert "bk skipped: cannot clip a parameter shared between layers (tied weights)" in step.mode_note
+    if cls is SharedLayersNanoGPT:  # the faster mode left out before any check says why too
+        assert "bk skipped: cannot clip a parameter shared between layers other than an Embedding and a Linear " \
+               "(tied weights)" in step.mode_note
     step((x, y), step=0)
     for p, e in zip(step.params, clipped_sum(make(), rows(x, y), CLIP).grads):
         torch.testing.assert_close(p.grad.double(), e, rtol=CLIPPED_RTOL, atol=1e-7)
+
+
+@pytest.mark.parametrize("bias, lead", [(False, False), (True, True)])
+def test_a_token_embedding_tied_to_the_lm_head_is_clipped_exactly_on_bk(bias, lead):
+    """nanoGPT, GPT-2, T5: one weight is both the token embedding and the output projection, so each example's
+    gradient of it is the sum of both layers' (its norm has a cross term). auto takes bk, and the clipped sum equals
+    the float64 loop's, with repeated ids, examples clipped and not (C = 0.05 and 50), the head's bias trainable or
+    absent (BERT's masked-LM head has one), positions looked up with ids (T,) or (1, T)."""
+    def make():
+        torch.manual_seed(0)
+        return NanoGPT(bias=bias, lead=lead)
+    torch.manual_seed(1)
+    x, y = torch.randint(0, 4, (9, 6)), torch.randint(0, 3, (9,))  # 4 of 11 ids: repeats within an example
+    for clip in (0.05, 50.0):
+        step = GradientStep(make(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=clip,
+                            noise_multiplier=0.0, grad_sample_mode="auto", max_physical_batch_size=4)
+        step.check((x[:8], y[:8]))
+        assert step.mode == "bk", step.mode_note
+        step((x, y), step=0)
+        expected = clipped_sum(make(), rows(x, y), clip)
+        assert expected.clipped == (9 if clip < 1 else 0)
+        for p, e in zip(step.params, expected.grads):
+            torch.testing.assert_close(p.grad.double(), e, rtol=CLIPPED_RTOL, atol=1e-7)
 
 
 def test_a_model_that_fails_by_itself_keeps_its_own_error_under_auto():

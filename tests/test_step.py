@@ -102,7 +102,7 @@ def test_book_keeping_clips_sequences_and_reused_layers_exactly(t, wide):
 
 def test_book_keeping_refuses_what_it_cannot_clip():
     d = setup("gloo")
-    tied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    tied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))  # two Linears: only an Embedding tied to a Linear is clipped
     tied[1].weight = tied[0].weight
     for model, match in ((nn.Sequential(nn.Conv3d(1, 1, 3)), "no rule for Conv3d"), (tied, "tied weights")):
         with pytest.raises(WorkbenchError, match=match):

@@ -128,8 +128,9 @@ class PreRunCheck:
                 calls = [(a.to(exact) if a.is_floating_point() else a, g.to(exact)) for a, g in calls]
                 rule = self.rules[m]
                 got, magnitude = rule.sample(m, calls, k), rule.sample(m, calls, k, absolute=True)
-                for name in got:
-                    mine[id(getattr(m, name))] = (got[name], magnitude[name])
+                for name in got:  # a tied weight: both layers' parts add up
+                    key, part = id(getattr(m, name)), (got[name], magnitude[name])
+                    mine[key] = (mine[key][0] + part[0], mine[key][1] + part[1]) if key in mine else part
             own = torch.autograd.grad(losses[k], params, retain_graph=True, allow_unused=True)
             for p, ref in zip(params, own):
                 ref = torch.zeros(p.shape, device=p.device, dtype=exact) if ref is None else ref.to(exact)

@@ -18,12 +18,15 @@ seeing every use of a weight. :meth:`BookKeeping.check` verifies this on a real 
 
 Shared ids (learned positions looked up with ``torch.arange(T)``): an nn.Embedding called on ids without the batch
 dimension gives an output every example reads by broadcasting, and its batched output gradient is the sum over the
-examples. Book-keeping calls such a layer on the ids expanded to (B, *ids.shape) instead (a forward pre-hook, present
-only during its own forwards): the same rows, one copy per example, so the broadcast that follows is elementwise and
+examples. Book-keeping calls such a layer on the ids expanded to (B, *ids.shape) instead, a leading 1 taken as the
+batch's ((1, T) -> (B, T): nanoGPT's ``arange(T).unsqueeze(0)``) (a forward pre-hook, present only during its own forwards): the same rows, one copy per example, so the broadcast that follows is elementwise and
 every value downstream is the same, while each example's copy now receives that example's own output gradient, so the
 Embedding rule is exact on it. Which layers are called so is read once, by the pre-run check (ids whose first
 dimension is not the batch's); the check also requires the losses to be those of the model's own forward, so an
 expansion that would change what the model computes is refused, never trained.
+
+Tied weights (an Embedding sharing its weight with a Linear: GPT-2's token embedding and LM head) are clipped as one
+unit, both layers' calls kept, their joint norm with its cross term: :mod:`workbench.privacy.clipping.tied`.
 
 Raw parameters (a ViT's cls token and position table, nn.Parameters of the user's own module read by broadcasting)
 are expanded alike, one copy per example, and tapped as a layer output: each copy's gradient is its example's
@@ -44,6 +47,7 @@ from workbench.privacy.clipping.bk_check import PreRunCheck, _input
 from workbench.privacy.clipping.bound import add_exact, clip_factors, exact_float32, materialised, zero_rows
 from workbench.privacy.clipping.layers import (RULES, EmbeddingRule, JoinedLinearRule, JoinedLinears, LinearRule,
                                                 _precise, rule_for, trainable, weighted_sum)
+from workbench.privacy.clipping.tied import TIED, TiedPair, tied_pairs
 from workbench.errors import WorkbenchError
 
 
@@ -146,10 +150,7 @@ def refusal(layers: list[nn.Module], raw: bool = True) -> str | None:
         _, why = rule_for(m)
         if why and not (raw and raw_owner(m)):
             return why
-    params = [p for m in layers for p in m.parameters(recurse=False)]
-    if len({id(p) for p in params}) < len(params):  # a per-layer norm would split a shared weight's norm in two
-        return "cannot clip a parameter shared between layers (tied weights)"
-    return None
+    return tied_pairs(layers)[1]  # a shared weight other than an Embedding's tied to a Linear
 
 
 class BookKeeping(PreRunCheck, Strategy):
@@ -167,6 +168,8 @@ class BookKeeping(PreRunCheck, Strategy):
                     for k, p in m.named_parameters(recurse=False) if p.requires_grad]
         self.rules.update({h: RawRule() for h in self.raw})
         self.hooked = [m for m in self.layers if self.rules[m] is not None]
+        # tied weights (an Embedding and a Linear sharing one): both layers always keep their calls, clipped as one
+        self.tied = {m: pair for e, lin in tied_pairs(self.layers)[0] for pair in [TiedPair(e, lin)] for m in (e, lin)}
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.layer_names = {m: n for n, m in model.named_modules()} | {h: h.full for h in self.raw}
         self.checked = False
@@ -205,7 +208,9 @@ class BookKeeping(PreRunCheck, Strategy):
             if not shared:
                 return None
             expanded.append(m)
-            ids = ids.expand(n, *ids.shape).contiguous()
+            # a leading 1 (nanoGPT's arange(T).unsqueeze(0)) broadcast over the batch, as a raw parameter's is
+            one = ids.dim() > 0 and ids.shape[0] == 1
+            ids = ids.expand(n, *ids.shape[1:] if one else ids.shape).contiguous()
             return ((ids, *args[1:]), kwargs) if args else (args, {**kwargs, "input": ids})
 
         def record(m, args, kwargs, out):
@@ -213,7 +218,7 @@ class BookKeeping(PreRunCheck, Strategy):
             if not out.requires_grad:
                 raise WorkbenchError("grad_sample_mode=bk: gradients are disabled in the model's forward (no_grad?)")
             a = _input(args, kwargs).detach()
-            if collect or self.rules[m].keeps(m, a, out):  # g has the output's shape
+            if collect or m in self.tied or self.rules[m].keeps(m, a, out):  # g has the output's shape
                 kept.append((m, a, get_gradient_edge(out)))
                 return None
             taps += 1
@@ -312,6 +317,7 @@ class BookKeeping(PreRunCheck, Strategy):
                 elif calls:
                     kept.append((rule, m, calls))
             formed = _stack_small(formed, n)
+            kept = self._tie(kept)
             parts += [materialised(t, bound_n) for _, t in formed]
             kept = self._join(kept)
             for i, (rule, m, calls) in enumerate(kept):
@@ -331,12 +337,29 @@ class BookKeeping(PreRunCheck, Strategy):
                         view_of[k].add_(part.view(view_of[k].shape))
             for rule, m, calls, state in kept:
                 if rows is not None:  # both a and g: either may hold the inf
-                    state = rule.prepare(m, [(zero_rows(a, rows), zero_rows(g, rows)) for a, g in calls], n)
+                    zeroed = lambda cs: [(zero_rows(a, rows), zero_rows(g, rows)) for a, g in cs]  # noqa: E731
+                    state = rule.prepare(m, tuple(map(zeroed, calls)) if rule is TIED else zeroed(calls), n)
                 rule.add_clipped(m, state, factor, view_of)
         exact = [] if rows is None else [add_exact(self._exact_gradient(arrived, k), self.clip, view_of)
                                          for k in rows.nonzero().flatten().tolist()]
         self.count(factor, exact)  # adaptive clipping only
         return losses.detach()
+
+    def _tie(self, kept: list) -> list:
+        """The kept calls (rule, layer, calls) with each tied pair whose two layers both ran as one unit (a pair of
+        which one layer did not reach the loss is that layer's gradient alone: its own rule is exact)."""
+        if not self.tied:
+            return kept
+        calls_of = {m: calls for _, m, calls in kept if m in self.tied}
+        out, done = [], set()
+        for unit in kept:
+            pair = self.tied.get(unit[1])
+            if pair is None or not (pair.embedding in calls_of and pair.linear in calls_of):
+                out.append(unit)
+            elif pair not in done:
+                done.add(pair)
+                out.append((TIED, pair, (calls_of[pair.embedding], calls_of[pair.linear])))
+        return out
 
     def _join(self, kept: list) -> list:
         """The kept calls (rule, layer, calls), with Linear sequences that read one and the same input tensor, each
@@ -346,7 +369,8 @@ class BookKeeping(PreRunCheck, Strategy):
             a = calls[0][0]
             # the same memory, saved by autograd for the weight's gradient (an in-place change fails the backward):
             # the same values
-            if type(rule) is LinearRule and len(calls) == 1 and a.dim() > 2 and "weight" in trainable(m):
+            if type(rule) is LinearRule and len(calls) == 1 and a.dim() > 2 and "weight" in trainable(m) \
+                    and m not in self.tied:
                 groups.setdefault((a.data_ptr(), a.shape, a.stride(), a.dtype, a.device, tuple(trainable(m))),
                                   []).append(i)
         first = {members[0]: members for members in groups.values() if len(members) > 1}
@@ -376,6 +400,7 @@ class BookKeeping(PreRunCheck, Strategy):
                 grads = self.rules[m].sample(m, one, 0)
             else:
                 continue
-            for name, t in grads.items():
-                out[id(getattr(m, name))] = t
+            for name, t in grads.items():  # a tied weight: both layers' parts add up
+                key = id(getattr(m, name))
+                out[key] = out[key] + t if key in out else t
         return out
