@@ -143,6 +143,10 @@ MUTANTS = (
     Mutant("fp-tied-norm-without-error", "the tied pair clips against its float64 Gram norm alone, not what its "
            "float32 index_add_ and matmul add", "workbench/privacy/clipping/tied.py",
            "scale = (1 + max(u_rel, g_rel))", "scale = 0 * (1 + max(u_rel, g_rel))", (FP_CANCEL + "[tied]",)),
+    Mutant("bk-hf-conv1d-sum-untransposed", "GPT-2's Conv1D (a Linear stored transposed) gets the Linear layout's "
+           "clipped sum: a square projection's update is its transpose", "workbench/privacy/clipping/layers.py",
+           "{**view_of, id(m.weight): view_of[id(m.weight)].t()}", "view_of",
+           ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[hf_conv1d_sequence_kept-bk]",)),
     Mutant("fp-linear-rows-norm-in-bf16", "the Linear rows route's norms from bf16-rounded inputs: rounded down, an "
            "example escapes the clip", "workbench/privacy/clipping/layers.py", "aa = torch.linalg.vecdot(a, a)", "aa = torch.linalg.vecdot(a.bfloat16(), a.bfloat16()).float()",
            (FP_FUZZ,)),

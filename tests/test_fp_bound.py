@@ -66,6 +66,13 @@ class Probe(nn.Module):
         return self.head((h * self.mix[: h.shape[1]].view(1, -1, 1).to(h.dtype)).mean(1))
 
 
+def _hf_conv1d(d_in: int, d_out: int) -> nn.Module:
+    """Hugging Face's Conv1D (GPT-2's projections: a Linear stored transposed); transformers is a dev dependency."""
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D(d_out, d_in)
+
+
 class PatchProbe(Probe):
     """A ViT patch embedding (4x4 patches, stride 4) over 8 patches in a row: the (T, d) example is T = 8 patches of
     d = 3 x 4 x 4 pixels, so values that cancel across positions cancel patch against patch."""
@@ -110,6 +117,7 @@ LAYERS = {
     "linear_seq_kept": (lambda: Probe(nn.Linear(64, 64), (8, 64), 64, 8), 8, 64),
     "linear_seq_formed": (lambda: Probe(nn.Linear(4, 4), (16, 4), 4, 16), 16, 4),
     "linear_seq_gram": (lambda: Probe(nn.Linear(64, 64), (2, 64), 64, 2), 2, 64),
+    "hf_conv1d_seq": (lambda: Probe(_hf_conv1d(64, 64), (8, 64), 64, 8), 8, 64),
     "linear_reused": (lambda: Probe(nn.Linear(32, 32), (6, 32), 32, 6, twice=True), 6, 32),
     "lora": (lambda: Probe(LoRALinear(32, 32), (6, 32), 32, 6), 6, 32),
     "conv1x1_kept": (lambda: Probe(nn.Conv2d(64, 64, 1), (64, 4, 4), 64, 16, channels_first=True), 16, 64),
@@ -242,7 +250,8 @@ def _embedding_cancelling(model: EmbeddingProbe, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["conv1x1_kept", "patch_embedding", "conv3x3_kept_gram_by_inputs", "linear_seq_kept",
-                                  "linear_seq_gram", "embedding", "tied"])
+                                  "linear_seq_gram", "embedding", "tied",
+                                  "hf_conv1d_seq"])
 def test_inputs_that_cancel_across_positions_are_released_within_the_clip(name):
     """The issue's cases: one example whose terms cancel across positions (a 1x1 convolution and a patch embedding on
     the kept/Gram route, a Linear on sequences, an Embedding whose repeated rows cancel). Its exact gradient is near 0,

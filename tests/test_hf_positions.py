@@ -66,7 +66,7 @@ def test_hf_position_embeddings_train_unfrozen_through_auto(name):
                         grad_sample_mode="auto", max_physical_batch_size=4)
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     step.check(batch)
-    assert step.mode == ("bk" if name == "bert" else "hooks")  # GPT-2's Conv1D has no bk rule
+    assert step.mode == "bk", step.mode_note  # GPT-2's Conv1D included (a Linear stored transposed)
     step(batch, step=0)
     named = [n for n, p in step.model.named_parameters() if p.requires_grad]
     assert POSITIONS[name] in named
@@ -101,14 +101,15 @@ def test_the_models_own_position_ids_of_shape_1_by_t_train_on_bk():
 
 
 def test_auto_refusing_shared_positions_suggests_no_fix_auto_already_tried():
-    model = _make("gpt2")  # Conv1D: no bk rule; the shared position ids: no other per-layer mode
+    model = _make("bert")
+    model.bert.embeddings.word_embeddings.scale_grad_by_freq = True  # bk refuses it; the rest fail the shared ids
     model._forward_pre_hooks.clear()  # the model's own shared position ids: no per-layer mode, and HF's forward fails vmap
     ids, mask = _batch()
-    step = GradientStep(model, TokenCrossEntropy(), setup("gloo"), max_grad_norm=0.1,
+    step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=0.1,
                         noise_multiplier=0.0, grad_sample_mode="auto")
     with pytest.raises(WorkbenchError) as e:
-        step.check({"input_ids": ids, "attention_mask": mask, "labels": ids})
+        step.check({"input_ids": ids, "attention_mask": mask, "labels": torch.zeros(6, dtype=torch.long)})
     msg = str(e.value)
     assert msg.startswith("grad_sample_mode=auto found no mode") and "\n" not in msg
-    assert "wpe (Embedding)" in msg and "torch.arange(T).expand(B, T)" in msg
+    assert "position_embeddings (Embedding)" in msg and "torch.arange(T).expand(B, T)" in msg
     assert "use grad_sample_mode=auto" not in msg

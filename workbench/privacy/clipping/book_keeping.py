@@ -2,8 +2,8 @@
 
 The forward keeps each trainable layer's input a; one backward computes the gradient g = dL/dz at each layer output z
 and no weight gradient. Each layer's rule (:mod:`workbench.privacy.clipping.layers`: Linear, Embedding, Conv1d/2d,
-LayerNorm/RMSNorm, GroupNorm; biases and frozen parameters included) takes, per call, whichever route holds less
-memory: its per-sample gradients, formed as g arrives (a tap -- an identity autograd node -- on z hands g over during
+LayerNorm/RMSNorm, GroupNorm, Hugging Face's Conv1D; biases and frozen parameters included) takes, per call, whichever
+route holds less memory: its per-sample gradients, formed as g arrives (a tap -- an identity autograd node -- on z hands g over during
 the backward, and a and g are let go), or (a, g) kept, the backward returning g. Then per-sample squared norms per
 layer, their sum over layers, the clip factors f_i, and sum_i f_i grad_i into the buffer. A layer called more than
 once (or on a sequence (B, T, d)) is exact: its calls are summed per example before norms. Two things cut the small

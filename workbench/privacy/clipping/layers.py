@@ -249,6 +249,8 @@ class LinearRule:
 
 def _columns(layers) -> list[tuple[nn.Linear, slice]]:
     """Each layer's columns of its outputs set side by side."""
+    if len(layers) == 1:
+        return [(layers[0], slice(None))]
     out, start = [], 0
     for m in layers:
         out.append((m, slice(start, start + m.out_features)))
@@ -574,9 +576,37 @@ class GroupNormRule(Materialised):
         return out
 
 
+class Conv1DRule(LinearRule):
+    """Hugging Face's Conv1D (GPT-2's projections): a Linear whose weight is stored transposed, (d_in, d_out),
+    y = x W + b. The Linear rule on the same a and g; its per-sample weight gradients and its clipped sum are written
+    in the transposed layout (a transposed view: the same products, rounded alike, so the Linear bound holds as is)."""
+
+    @staticmethod
+    def per_sample(m, a, g):
+        out = LinearRule.per_sample(m, a, g)
+        if "weight" in out:
+            out["weight"] = out["weight"].transpose(1, 2)
+        return out
+
+    def add_clipped(self, m, state, factor, view_of):
+        super().add_clipped(m, state, factor, {**view_of, id(m.weight): view_of[id(m.weight)].t()})
+
+    def sample(self, m, calls, k, absolute=False):
+        out = super().sample(m, calls, k, absolute)
+        if "weight" in out:
+            out["weight"] = out["weight"].t()
+        return out
+
+
+def _hf_conv1d(m: nn.Module) -> bool:
+    """transformers' Conv1D itself (not a subclass), recognised without importing transformers (an optional extra)."""
+    return type(m).__name__ == "Conv1D" and type(m).__module__ == "transformers.pytorch_utils"
+
+
 RULES: dict[type, object] = {nn.Linear: LinearRule(), nn.Embedding: EmbeddingRule(), nn.Conv1d: ConvRule(),
                              nn.Conv2d: ConvRule(), nn.LayerNorm: LayerNormRule(), nn.RMSNorm: LayerNormRule(),
                              nn.GroupNorm: GroupNormRule()}
+CONV1D = Conv1DRule()
 PARAMETERS = {nn.Linear: {"weight", "bias"}, nn.Embedding: {"weight"}, nn.Conv1d: {"weight", "bias"},
               nn.Conv2d: {"weight", "bias"}, nn.LayerNorm: {"weight", "bias"}, nn.RMSNorm: {"weight"},
               nn.GroupNorm: {"weight", "bias"}}
@@ -585,6 +615,10 @@ PARAMETERS = {nn.Linear: {"weight", "bias"}, nn.Embedding: {"weight"}, nn.Conv1d
 def rule_for(m: nn.Module) -> tuple[object | None, str | None]:
     """(the rule, None), or (None, why book-keeping cannot clip this layer)."""
     name = type(m).__name__
+    if _hf_conv1d(m):
+        if {n for n, _ in m.named_parameters(recurse=False)} - {"weight", "bias"} or m._forward_pre_hooks:
+            return None, f"cannot see how {name}'s weight is computed (extra parameters or pre-hooks)"
+        return CONV1D, None
     base = next((t for t in RULES if type(m).forward is t.forward and isinstance(m, t)), None)
     if base is None:  # a subclass that computes otherwise (a LoRA-merged weight, scaled weights...), or no rule
         return None, f"has no rule for {name}"
