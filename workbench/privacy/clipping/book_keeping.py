@@ -178,6 +178,9 @@ class BookKeeping(PreRunCheck, Strategy):
         self._arrived: dict | None = None  # during a backward: layer -> [per-sample gradients or None, kept calls]
         self._n = 0
         self._joins: dict[tuple, JoinedLinears] = {}  # Linear layers that read one input, joined (see _join)
+        self._routes: dict[tuple, bool] = {}  # (layer, per-example shapes...) -> the rule keeps a and g (_keeps)
+        # rules that read what the forward saved for the backward (LayerNorm's statistics) instead of recomputing it
+        self.saved = {m: self.rules[m].saved for m in self.hooked if hasattr(self.rules[m], "saved")}
 
     def _run(self, batch, loss_fn: LossFn, collect: bool):
         """Forward with the recording hooks. A call whose rule keeps (a, g) (all calls when ``collect``: the check
@@ -213,11 +216,12 @@ class BookKeeping(PreRunCheck, Strategy):
             if not out.requires_grad:
                 raise WorkbenchError("grad_sample_mode=bk: gradients are disabled in the model's forward (no_grad?)")
             a = _input(args, kwargs).detach()
-            if collect or self.rules[m].keeps(m, a, out):  # g has the output's shape
+            if collect or self._keeps(m, a, out):  # g has the output's shape
                 kept.append((m, a, get_gradient_edge(out)))
                 return None
             taps += 1
-            return _Tap.apply(out, self._anchor, functools.partial(self._arrive, m, a))
+            saved = self.saved[m](m, a, out) if m in self.saved else None
+            return _Tap.apply(out, self._anchor, functools.partial(self._arrive, m, a, saved))
 
         handles = [m.register_forward_pre_hook(broadcast, with_kwargs=True) for m in self.embeddings if self.shared != {}]
         handles += [m.register_forward_hook(record, with_kwargs=True) for m in self.hooked]
@@ -230,7 +234,7 @@ class BookKeeping(PreRunCheck, Strategy):
                     kept.append((h, dummy, get_gradient_edge(z)))
                 else:
                     taps += 1
-                    z = _Tap.apply(z, self._anchor, functools.partial(self._arrive, h, dummy))
+                    z = _Tap.apply(z, self._anchor, functools.partial(self._arrive, h, dummy, None))
                 raw[h.full] = z
             expanded.extend(self.raw)
         try:
@@ -260,18 +264,29 @@ class BookKeeping(PreRunCheck, Strategy):
                                  f"layer {self.layer_names[m]!r} ({type(m).__name__}) got {tuple(a.shape)} for a "
                                  f"batch of {self._n} (flattened or time-major?); reshape it to (batch, ..., features)")
 
-    def _arrive(self, m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> None:
-        """A tapped call's g, during the backward: its per-sample gradients, added to the layer's."""
+    def _keeps(self, m: nn.Module, a: torch.Tensor, out: torch.Tensor) -> bool:
+        """The rule's route for this call (keep a and g, or form per-sample gradients), decided once per layer and
+        per-example shapes (public; every rule's choice depends on nothing else), not on every call."""
+        key = (m, a.shape[1:], out.shape[1:], a.dtype)
+        route = self._routes.get(key)
+        if route is None:
+            route = self._routes[key] = self.rules[m].keeps(m, a, out)
+        return route
+
+    def _arrive(self, m: nn.Module, a: torch.Tensor, saved, g: torch.Tensor) -> None:
+        """A tapped call's g, during the backward: its per-sample gradients, added to the layer's (``saved``: what
+        the forward kept for the rule, e.g. LayerNorm's statistics, or None)."""
         if self._arrived is None:
             return
         self._batch_first(m, a, g)
         entry = self._arrived.get(m)
         if entry is None:
             entry = self._arrived[m] = [None, []]
+        grads = self.rules[m].per_sample(m, a, g) if saved is None else self.rules[m].per_sample(m, a, g, saved=saved)
         if entry[0] is None:
-            entry[0] = self.rules[m].per_sample(m, a, g)
+            entry[0] = grads
         else:  # a reused layer: its calls' per-sample gradients add up
-            for name, t in self.rules[m].per_sample(m, a, g).items():
+            for name, t in grads.items():
                 entry[0][name].add_(t)
 
     def _backward(self, batch, loss_fn: LossFn, retain: bool, collect: bool):
