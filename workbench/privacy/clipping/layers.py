@@ -545,14 +545,15 @@ class ConvRule:
 class PatchConvRule(ConvRule):
     """A patch convolution (kernel == stride, no padding, dilation 1, groups 1: a ViT's patch embedding) is a Linear on
     non-overlapping patches: a reshape and permutation of its input, no unfold. Its per-sample gradients,
-    sum_l g_l U_l^T, are one batched matmul over the L patches; they are formed (and, at most ``SMALL_FORMED``
-    entries per example, stacked with the other small ones by book-keeping: one norm, one matrix-vector product)
-    wherever they take at most ``FORM_IF`` times the memory of a and g or are that small. Formed gradients are what
+    sum_l g_l U_l^T, are one batched matmul over the L patches; they are formed wherever they take at most ``FORM_IF``
+    times the memory of a and g or at most ``SMALL_FORMED`` entries per example (small ones are then stacked with the
+    other small formed gradients by book-keeping: one norm, one matrix-vector product). Formed gradients are what
     is summed, so their bound is the materialised one; larger patch convolutions keep a and g and take ConvRule's
     kept route unchanged. The pre-run check's route stays ConvRule's (F.unfold)."""
 
     FORM_IF = 2.0  # as LinearRule's sequences
-    SMALL_FORMED = 1024  # per-example entries (4 KiB in float32) formed whatever a and g take (vit: 544 vs 192)
+    SMALL_FORMED = ConvRule.CHUNK_ELEMENTS // 512  # per-example entries formed whatever a and g take: a micro-batch of
+    # 512 holds no more than the kept route's own chunk of formed gradients (the vit preset's 544 against a and g's 192)
 
     @staticmethod
     def applies(m: nn.Module) -> bool:
@@ -565,24 +566,27 @@ class PatchConvRule(ConvRule):
 
     @staticmethod
     def patches(m, a: torch.Tensor) -> torch.Tensor:
-        """(n, C_in, *spatial) -> (n, L, C_in * prod(k)), the columns in the weight's (C_in, *k) order: positions past
-        the last whole patch (which the layer ignores) cut, then one permuted copy."""
-        k, spatial = tuple(m.kernel_size), a.shape[2:]
-        out = [size // kk for size, kk in zip(spatial, k)]
-        a = a[(..., *[slice(0, o * kk) for o, kk in zip(out, k)])]
-        split = a.reshape(len(a), a.shape[1], *[d for o, kk in zip(out, k) for d in (o, kk)])
+        """(n, C_in, *spatial) -> (n, L, C_in * prod(k)), the columns in the weight's (C_in, *k) order (positions past
+        the last whole patch, which the layer ignores, cut), by one permuted copy."""
+        k, n, c = tuple(m.kernel_size), len(a), a.shape[1]
+        out = [size // kk for size, kk in zip(a.shape[2:], k)]
+        if any(o * kk != size for o, kk, size in zip(out, k, a.shape[2:])):
+            a = a[(..., *[slice(0, o * kk) for o, kk in zip(out, k)])]
+        split = a.reshape(n, c, *[d for o, kk in zip(out, k) for d in (o, kk)])
         dims = len(k)
         order = (0, *[2 + 2 * i for i in range(dims)], 1, *[3 + 2 * i for i in range(dims)])
-        return split.permute(order).reshape(len(a), math.prod(out), -1)
+        return split.permute(order).reshape(n, math.prod(out), c * math.prod(k))
 
     def per_sample(self, m, a, g):
+        """Weight gradients of each example in one batched matmul (contiguous: stacked or normed without a copy);
+        bias gradients sum_l g_l as one matrix-vector product with 1s (a sum over few positions measured 2x slower)."""
         names, n = trainable(m), len(a)
         g = _precise(g).reshape(n, g.shape[1], -1)  # (n, C_out, L)
         out = {}
         if "weight" in names:
             out["weight"] = torch.bmm(g, self.patches(m, _precise(a))).view(n, *m.weight.shape)
         if "bias" in names:
-            out["bias"] = g.sum(2)
+            out["bias"] = torch.mv(g.reshape(-1, g.shape[2]), g.new_ones(g.shape[2])).view(n, g.shape[1])
         return out
 
 
