@@ -222,3 +222,27 @@ def test_patch_convolutions_take_the_patch_rule_and_form_what_the_convolution_ke
                                        stride=m.stride if two_d else (1, *m.stride))
         exact = torch.einsum("nol,npl->nop", g.double().flatten(2), u).reshape(got["weight"].shape)
         torch.testing.assert_close(got["weight"].double(), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_layernorm_reads_the_forwards_own_statistics_and_forms_what_recomputing_forms():
+    """bk's taps hand LayerNorm's rule the mean and 1/std autograd saved in the forward (no second layer_norm during
+    the backward); the per-sample gradients from them are those recomputed from the input. Half-precision inputs
+    (autocast) and RMSNorm recompute."""
+    from workbench.privacy.clipping.layers import LayerNormRule
+
+    rule, ln = LayerNormRule(), nn.LayerNorm(6)
+    with torch.no_grad():
+        ln.weight.add_(0.3 * torch.randn(6))
+    a = _floats(BATCH, 4, 6).requires_grad_()
+    out = ln(a)
+    saved = rule.saved(ln, a.detach(), out)
+    assert saved is not None and saved[0].shape == (BATCH, 4, 1)
+    g = torch.randn_like(out)
+    got, ref = rule.per_sample(ln, a.detach(), g, saved=saved), rule.per_sample(ln, a.detach(), g)
+    for name in ("weight", "bias"):
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-6)
+    assert rule.saved(ln, a.detach().flip(0), out) is None  # statistics of another tensor: never used
+    half = a.detach().bfloat16().requires_grad_()
+    assert rule.saved(ln.bfloat16(), half.detach(), ln.bfloat16()(half)) is None
+    rms = nn.RMSNorm(6)
+    assert rule.saved(rms, a.detach(), rms(a)) is None

@@ -11,7 +11,9 @@ ops a step costs (on a small ViT they weigh as much as the kernels): formed per-
 example (normalisation weights, biases, raw parameters) are stacked into one tensor, one norm reduction and one
 matrix-vector product for all (:func:`_stack_small`), and kept Linear sequences that read one and the same input
 tensor (self-attention's q, k and v projections) are joined into one Linear (``layers.JoinedLinears``: the input's
-norms, Gram matrices and scaled copy computed once).
+norms, Gram matrices and scaled copy computed once). Each layer's route is decided once per per-example shape
+(:meth:`BookKeeping._keeps`), and a rule may read what the forward saved for autograd (LayerNorm's mean and 1/std,
+``rules[m].saved``) instead of recomputing it during the backward.
 
 It relies on what every per-sample mode relies on -- a layer's input rows are examples, one loss per example -- and on
 seeing every use of a weight. :meth:`BookKeeping.check` verifies this on a real batch before training.

@@ -592,7 +592,8 @@ class PatchConvRule(ConvRule):
 
 class LayerNormRule(Materialised):
     """nn.LayerNorm (and nn.RMSNorm): weight gradient sum over positions of g * x_hat, bias gradient sum of g;
-    x_hat is recomputed from the layer's input."""
+    x_hat from the forward's own statistics where book-keeping hands them over (``saved``), else recomputed from the
+    layer's input (the pre-run check's route, RMSNorm, half precision)."""
 
     @staticmethod
     def saved(m, a: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -602,7 +603,10 @@ class LayerNormRule(Materialised):
         fn = out.grad_fn
         if type(fn).__name__ != "NativeLayerNormBackward0" or a.dtype not in (torch.float32, torch.float64):
             return None
-        x, mean, rstd = fn._saved_input, fn._saved_result1, fn._saved_result2
+        try:  # saved-tensor hooks (offloading, checkpointing) may not unpack outside the backward: recompute then
+            x, mean, rstd = fn._saved_input, fn._saved_result1, fn._saved_result2
+        except RuntimeError:
+            return None
         if x.data_ptr() != a.data_ptr() or x.shape != a.shape or mean.dtype != a.dtype:
             return None
         return mean, rstd
