@@ -39,7 +39,6 @@ import functools
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
-from torch.nn.utils.stateless import _reparametrize_module
 
 from workbench.privacy.clipping.base import LossFn, Strategy
 from workbench.privacy.clipping.bk_check import PreRunCheck, _input
@@ -237,11 +236,14 @@ class BookKeeping(PreRunCheck, Strategy):
                 else:
                     taps += 1
                     z = _Tap.apply(z, self._anchor, functools.partial(self._arrive, h, dummy, None))
-                raw[h.full] = z
+                raw[h] = z
             expanded.extend(self.raw)
+        # each raw parameter's copies stand in its owner's place for this forward: a plain swap (one owner, one
+        # name: shared parameters are refused), not torch's general _reparametrize_module (~0.3 ms a step on vit)
+        for h, z in raw.items():
+            h.owner._parameters[h.name] = z
         try:
-            with _reparametrize_module(self.module, raw):
-                losses = loss_fn(self.module, batch)
+            losses = loss_fn(self.module, batch)
         except WorkbenchError:
             raise
         except Exception as e:
@@ -253,6 +255,8 @@ class BookKeeping(PreRunCheck, Strategy):
                                  f"{self.layer_names[expanded[0]]!r} to one copy per example: "
                                  f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from e
         finally:
+            for h in raw:
+                h.owner._parameters[h.name] = h.weight
             for h in handles:
                 h.remove()
         self._expanded = [self.layer_names[m] for m in expanded]
