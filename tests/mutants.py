@@ -119,6 +119,14 @@ MUTANTS = (
            "mul_(g @ g.transpose(1, 2)).sum((1, 2))", "mul_(g @ g.transpose(1, 2)).diagonal(dim1=1, dim2=2).sum(1)",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear_sequence_gram-bk]",
             "tests/test_layers.py::test_the_linear_gram_route_is_taken_where_it_costs_fewer_flops")),
+    Mutant("bk-patch-columns-out-of-order", "the patch convolution's patches lay their pixels out kernel-major, not "
+           "in the weight's (C_in, *k) order: each example's gradient lands on the wrong weights",
+           "workbench/privacy/clipping/layers.py",
+           "order = (0, *[2 + 2 * i for i in range(dims)], 1, *[3 + 2 * i for i in range(dims)])",
+           "order = (0, *[2 + 2 * i for i in range(dims)], *[3 + 2 * i for i in range(dims)], 1)",
+           ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[conv2d_patches-bk]",
+            "tests/test_layers.py::test_patch_convolutions_take_the_patch_rule_and_form_what_the_convolution_kernel_"
+            "forms")),
     Mutant("bk-joins-linears-of-other-inputs", "book-keeping joins Linear layers whose inputs merely have one shape "
            "(out_proj with q, k, v): out_proj's gradient is formed from q's input, its examples clipped by a wrong norm",
            "workbench/privacy/clipping/book_keeping.py", "groups.setdefault((a.data_ptr(), a.shape,",

@@ -74,14 +74,17 @@ def _hf_conv1d(d_in: int, d_out: int) -> nn.Module:
 
 
 class PatchProbe(Probe):
-    """A ViT patch embedding (4x4 patches, stride 4) over 8 patches in a row: the (T, d) example is T = 8 patches of
-    d = 3 x 4 x 4 pixels, so values that cancel across positions cancel patch against patch."""
+    """A ViT patch embedding (k x k patches, stride k) over 8 patches in a row: the (T, d) example is T = 8 patches of
+    d = c x k x k pixels, so values that cancel across positions cancel patch against patch. The default (3 -> 48,
+    4x4) keeps a and g (ConvRule's route); a small one (1 -> 8, 2x2) forms its per-sample gradients (PatchConvRule)."""
 
-    def __init__(self):
-        super().__init__(nn.Conv2d(3, 48, 4, stride=4), (3, 4, 32), 48, 8)
+    def __init__(self, c: int = 3, out: int = 48, k: int = 4):
+        super().__init__(nn.Conv2d(c, out, k, stride=k), (c, k, 8 * k), out, 8)
+        self.c, self.k = c, k
 
     def forward(self, x):
-        img = x.view(len(x), 8, 3, 4, 4).permute(0, 2, 3, 1, 4).reshape(len(x), 3 * 4 * 32)
+        c, k = self.c, self.k
+        img = x.view(len(x), 8, c, k, k).permute(0, 2, 3, 1, 4).reshape(len(x), c * k * 8 * k)
         return super().forward(img)
 
 
@@ -122,6 +125,7 @@ LAYERS = {
     "lora": (lambda: Probe(LoRALinear(32, 32), (6, 32), 32, 6), 6, 32),
     "conv1x1_kept": (lambda: Probe(nn.Conv2d(64, 64, 1), (64, 4, 4), 64, 16, channels_first=True), 16, 64),
     "patch_embedding": (lambda: PatchProbe(), 8, 48),
+    "patch_formed": (lambda: PatchProbe(1, 8, 2), 8, 4),
     "conv3x3_kept_gram_by_inputs": (lambda: Probe(nn.Conv2d(16, 32, 3, padding=1), (16, 3, 3), 32, 9,
                                                   channels_first=True), 9, 16),
     "conv1d_stride_groups": (lambda: Probe(nn.Conv1d(8, 8, 3, stride=2, groups=2), (8, 16), 8, 7,
@@ -249,9 +253,8 @@ def _embedding_cancelling(model: EmbeddingProbe, seed: int) -> torch.Tensor:
     return torch.full((1, 12), 1.0)
 
 
-@pytest.mark.parametrize("name", ["conv1x1_kept", "patch_embedding", "conv3x3_kept_gram_by_inputs", "linear_seq_kept",
-                                  "linear_seq_gram", "embedding", "tied",
-                                  "hf_conv1d_seq"])
+@pytest.mark.parametrize("name", ["conv1x1_kept", "patch_embedding", "patch_formed", "conv3x3_kept_gram_by_inputs",
+                                  "linear_seq_kept", "linear_seq_gram", "embedding", "tied", "hf_conv1d_seq"])
 def test_inputs_that_cancel_across_positions_are_released_within_the_clip(name):
     """The issue's cases: one example whose terms cancel across positions (a 1x1 convolution and a patch embedding on
     the kept/Gram route, a Linear on sequences, an Embedding whose repeated rows cancel). Its exact gradient is near 0,

@@ -74,6 +74,11 @@ CASES = {
     "conv1d_reused": (lambda: Probe(nn.Conv1d(3, 3, 3, padding=1), 3 * 6, reuse=True), _floats(BATCH, 3, 6)),
     "conv2d": (lambda: Probe(nn.Conv2d(2, 4, 3, padding=1, stride=2), 4 * 3 * 3), _floats(BATCH, 2, 5, 5)),
     "conv2d_reused": (lambda: Probe(nn.Conv2d(2, 2, 3, padding=1), 2 * 4 * 4, reuse=True), _floats(BATCH, 2, 4, 4)),
+    # patch convolutions (kernel == stride): bk's PatchConvRule forms them as a Linear on patches (5 -> 2 patches: the
+    # last row and column, which the layer ignores, cut); the wide one keeps a and g (ConvRule's kept route)
+    "conv2d_patches": (lambda: Probe(nn.Conv2d(2, 3, 2, stride=2), 3 * 2 * 2), _floats(BATCH, 2, 5, 5)),
+    "conv1d_patches": (lambda: Probe(nn.Conv1d(2, 3, 3, stride=3), 3 * 2), _floats(BATCH, 2, 7)),
+    "conv2d_patches_kept": (lambda: Probe(nn.Conv2d(4, 40, 4, stride=4), 40 * 2 * 2), _floats(BATCH, 4, 8, 8)),
     "embedding": (lambda: Probe(nn.Embedding(11, 4), 5 * 4), _tokens(BATCH, 5)),
     "embedding_reused": (lambda: Probe(TwoEmbeddings(), 3 * 4), _tokens(BATCH, 6)),
     "layernorm_sequence": (lambda: Probe(nn.LayerNorm(5), 4 * 5), _floats(BATCH, 4, 5)),
@@ -198,3 +203,57 @@ def test_the_small_cnn_trains_privately(make_cfg, mlflow_uri):
     acc.compose(dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(m["sample_rate"], dp_accounting.GaussianDpEvent(m["noise_multiplier"])), steps))
     assert m["epsilon"] == pytest.approx(acc.get_epsilon(m["delta"]), rel=1e-6) and m["epsilon"] <= 8.0
+
+
+def test_patch_convolutions_take_the_patch_rule_and_form_what_the_convolution_kernel_forms():
+    """bk reads a convolution with kernel == stride, no padding, dilation 1 and one group as a Linear on its patches
+    (PatchConvRule), any other as a convolution (ConvRule); the per-sample gradients it forms from the reshaped input
+    are those of the layer's own weight-gradient kernel (ConvRule's, examples folded into groups), and in float64 those
+    of an independent unfold + einsum."""
+    from workbench.privacy.clipping.layers import ConvRule, PatchConvRule, rule_for
+
+    for m in (nn.Conv2d(1, 3, 3, stride=2), nn.Conv2d(1, 3, 2, stride=2, padding=1), nn.Conv2d(2, 4, 2, stride=2, groups=2),
+              nn.Conv2d(1, 2, 2, stride=2, dilation=2), nn.Conv2d(1, 3, 1, padding="same"), nn.Conv1d(1, 2, 3)):
+        assert type(rule_for(m)[0]) is ConvRule, m
+    cases = ((nn.Conv2d(3, 8, 4, stride=4), (5, 3, 9, 10)), (nn.Conv1d(2, 5, 3, stride=3), (4, 2, 11)),
+             (nn.Conv2d(1, 6, 4, stride=4, padding="valid"), (6, 1, 8, 8)), (nn.Conv2d(2, 3, (2, 3), stride=(2, 3)),
+                                                                              (3, 2, 6, 7)))
+    for m, shape in cases:
+        rule = rule_for(m)[0]
+        assert isinstance(rule, PatchConvRule), m
+        a = _floats(*shape)
+        g = torch.randn_like(m(a)).flip(0)
+        got, ref = rule.per_sample(m, a, g), ConvRule().per_sample(m, a, g)
+        assert set(got) == {"weight", "bias"}
+        for name in got:
+            torch.testing.assert_close(got[name], ref[name])
+        two_d = a.dim() == 4
+        u = torch.nn.functional.unfold((a if two_d else a.unsqueeze(2)).double(),
+                                       m.kernel_size if two_d else (1, *m.kernel_size),
+                                       stride=m.stride if two_d else (1, *m.stride))
+        exact = torch.einsum("nol,npl->nop", g.double().flatten(2), u).reshape(got["weight"].shape)
+        torch.testing.assert_close(got["weight"].double(), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_layernorm_reads_the_forwards_own_statistics_and_forms_what_recomputing_forms():
+    """bk's taps hand LayerNorm's rule the mean and 1/std autograd saved in the forward (no second layer_norm during
+    the backward); the per-sample gradients from them are those recomputed from the input. Half-precision inputs
+    (autocast) and RMSNorm recompute."""
+    from workbench.privacy.clipping.layers import LayerNormRule
+
+    rule, ln = LayerNormRule(), nn.LayerNorm(6)
+    with torch.no_grad():
+        ln.weight.add_(0.3 * torch.randn(6))
+    a = _floats(BATCH, 4, 6).requires_grad_()
+    out = ln(a)
+    saved = rule.saved(ln, a.detach(), out)
+    assert saved is not None and saved[0].shape == (BATCH, 4, 1)
+    g = torch.randn_like(out)
+    got, ref = rule.per_sample(ln, a.detach(), g, saved=saved), rule.per_sample(ln, a.detach(), g)
+    for name in ("weight", "bias"):
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-6)
+    assert rule.saved(ln, a.detach().flip(0), out) is None  # statistics of another tensor: never used
+    half = a.detach().bfloat16().requires_grad_()
+    assert rule.saved(ln.bfloat16(), half.detach(), ln.bfloat16()(half)) is None
+    rms = nn.RMSNorm(6)
+    assert rule.saved(rms, a.detach(), rms(a)) is None

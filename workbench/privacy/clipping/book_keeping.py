@@ -11,7 +11,9 @@ ops a step costs (on a small ViT they weigh as much as the kernels): formed per-
 example (normalisation weights, biases, raw parameters) are stacked into one tensor, one norm reduction and one
 matrix-vector product for all (:func:`_stack_small`), and kept Linear sequences that read one and the same input
 tensor (self-attention's q, k and v projections) are joined into one Linear (``layers.JoinedLinears``: the input's
-norms, Gram matrices and scaled copy computed once).
+norms, Gram matrices and scaled copy computed once). Each layer's route is decided once per per-example shape
+(:meth:`BookKeeping._keeps`), and a rule may read what the forward saved for autograd (LayerNorm's mean and 1/std,
+``rules[m].saved``) instead of recomputing it during the backward.
 
 It relies on what every per-sample mode relies on -- a layer's input rows are examples, one loss per example -- and on
 seeing every use of a weight. :meth:`BookKeeping.check` verifies this on a real batch before training.
@@ -40,14 +42,13 @@ import functools
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
-from torch.nn.utils.stateless import _reparametrize_module
 
 from workbench.privacy.clipping.base import LossFn, Strategy
 from workbench.privacy.clipping.bk_check import PreRunCheck, _input
 from workbench.privacy.clipping.bound import add_exact, clip_factors, exact_float32, materialised, zero_rows
 from workbench.privacy.clipping.layers import (RULES, EmbeddingRule, JoinedLinearRule, JoinedLinears, LinearRule,
                                                 _precise, rule_for, trainable, weighted_sum)
-from workbench.privacy.clipping.tied import TIED, TiedPair, tied_pairs
+from workbench.privacy.clipping.tied import TIED, TiedPair, tie, tied_pairs
 from workbench.errors import WorkbenchError
 
 
@@ -181,6 +182,9 @@ class BookKeeping(PreRunCheck, Strategy):
         self._arrived: dict | None = None  # during a backward: layer -> [per-sample gradients or None, kept calls]
         self._n = 0
         self._joins: dict[tuple, JoinedLinears] = {}  # Linear layers that read one input, joined (see _join)
+        self._routes: dict[tuple, bool] = {}  # (layer, per-example shapes...) -> the rule keeps a and g (_keeps)
+        # rules that read what the forward saved for the backward (LayerNorm's statistics) instead of recomputing it
+        self.saved = {m: self.rules[m].saved for m in self.hooked if hasattr(self.rules[m], "saved")}
 
     def _run(self, batch, loss_fn: LossFn, collect: bool):
         """Forward with the recording hooks. A call whose rule keeps (a, g) (all calls when ``collect``: the check
@@ -218,11 +222,12 @@ class BookKeeping(PreRunCheck, Strategy):
             if not out.requires_grad:
                 raise WorkbenchError("grad_sample_mode=bk: gradients are disabled in the model's forward (no_grad?)")
             a = _input(args, kwargs).detach()
-            if collect or m in self.tied or self.rules[m].keeps(m, a, out):  # g has the output's shape
+            if collect or m in self.tied or self._keeps(m, a, out):  # g has the output's shape
                 kept.append((m, a, get_gradient_edge(out)))
                 return None
             taps += 1
-            return _Tap.apply(out, self._anchor, functools.partial(self._arrive, m, a))
+            saved = self.saved[m](m, a, out) if m in self.saved else None
+            return _Tap.apply(out, self._anchor, functools.partial(self._arrive, m, a, saved))
 
         handles = [m.register_forward_pre_hook(broadcast, with_kwargs=True) for m in self.embeddings if self.shared != {}]
         handles += [m.register_forward_hook(record, with_kwargs=True) for m in self.hooked]
@@ -235,12 +240,15 @@ class BookKeeping(PreRunCheck, Strategy):
                     kept.append((h, dummy, get_gradient_edge(z)))
                 else:
                     taps += 1
-                    z = _Tap.apply(z, self._anchor, functools.partial(self._arrive, h, dummy))
-                raw[h.full] = z
+                    z = _Tap.apply(z, self._anchor, functools.partial(self._arrive, h, dummy, None))
+                raw[h] = z
             expanded.extend(self.raw)
+        # each raw parameter's copies stand in its owner's place for this forward: a plain swap (one owner, one
+        # name: shared parameters are refused), not torch's general _reparametrize_module (~0.3 ms a step on vit)
+        for h, z in raw.items():
+            h.owner._parameters[h.name] = z
         try:
-            with _reparametrize_module(self.module, raw):
-                losses = loss_fn(self.module, batch)
+            losses = loss_fn(self.module, batch)
         except WorkbenchError:
             raise
         except Exception as e:
@@ -252,6 +260,8 @@ class BookKeeping(PreRunCheck, Strategy):
                                  f"{self.layer_names[expanded[0]]!r} to one copy per example: "
                                  f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from e
         finally:
+            for h in raw:
+                h.owner._parameters[h.name] = h.weight
             for h in handles:
                 h.remove()
         self._expanded = [self.layer_names[m] for m in expanded]
@@ -265,18 +275,29 @@ class BookKeeping(PreRunCheck, Strategy):
                                  f"layer {self.layer_names[m]!r} ({type(m).__name__}) got {tuple(a.shape)} for a "
                                  f"batch of {self._n} (flattened or time-major?); reshape it to (batch, ..., features)")
 
-    def _arrive(self, m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> None:
-        """A tapped call's g, during the backward: its per-sample gradients, added to the layer's."""
+    def _keeps(self, m: nn.Module, a: torch.Tensor, out: torch.Tensor) -> bool:
+        """The rule's route for this call (keep a and g, or form per-sample gradients), decided once per layer and
+        per-example shapes (public; every rule's choice depends on nothing else), not on every call."""
+        key = (m, a.shape[1:], out.shape[1:], a.dtype)
+        route = self._routes.get(key)
+        if route is None:
+            route = self._routes[key] = self.rules[m].keeps(m, a, out)
+        return route
+
+    def _arrive(self, m: nn.Module, a: torch.Tensor, saved, g: torch.Tensor) -> None:
+        """A tapped call's g, during the backward: its per-sample gradients, added to the layer's (``saved``: what
+        the forward kept for the rule, e.g. LayerNorm's statistics, or None)."""
         if self._arrived is None:
             return
         self._batch_first(m, a, g)
         entry = self._arrived.get(m)
         if entry is None:
             entry = self._arrived[m] = [None, []]
+        grads = self.rules[m].per_sample(m, a, g) if saved is None else self.rules[m].per_sample(m, a, g, saved=saved)
         if entry[0] is None:
-            entry[0] = self.rules[m].per_sample(m, a, g)
+            entry[0] = grads
         else:  # a reused layer: its calls' per-sample gradients add up
-            for name, t in self.rules[m].per_sample(m, a, g).items():
+            for name, t in grads.items():
                 entry[0][name].add_(t)
 
     def _backward(self, batch, loss_fn: LossFn, retain: bool, collect: bool):
@@ -317,7 +338,7 @@ class BookKeeping(PreRunCheck, Strategy):
                 elif calls:
                     kept.append((rule, m, calls))
             formed = _stack_small(formed, n)
-            kept = self._tie(kept)
+            kept = tie(kept, self.tied)
             parts += [materialised(t, bound_n) for _, t in formed]
             kept = self._join(kept)
             for i, (rule, m, calls) in enumerate(kept):
@@ -344,22 +365,6 @@ class BookKeeping(PreRunCheck, Strategy):
                                          for k in rows.nonzero().flatten().tolist()]
         self.count(factor, exact)  # adaptive clipping only
         return losses.detach()
-
-    def _tie(self, kept: list) -> list:
-        """The kept calls (rule, layer, calls) with each tied pair whose two layers both ran as one unit (a pair of
-        which one layer did not reach the loss is that layer's gradient alone: its own rule is exact)."""
-        if not self.tied:
-            return kept
-        calls_of = {m: calls for _, m, calls in kept if m in self.tied}
-        out, done = [], set()
-        for unit in kept:
-            pair = self.tied.get(unit[1])
-            if pair is None or not (pair.embedding in calls_of and pair.linear in calls_of):
-                out.append(unit)
-            elif pair not in done:
-                done.add(pair)
-                out.append((TIED, pair, (calls_of[pair.embedding], calls_of[pair.linear])))
-        return out
 
     def _join(self, kept: list) -> list:
         """The kept calls (rule, layer, calls), with Linear sequences that read one and the same input tensor, each

@@ -57,6 +57,24 @@ def tied_pairs(layers: list[nn.Module]) -> tuple[list[tuple[nn.Embedding, nn.Lin
     return pairs, None
 
 
+def tie(kept: list, tied: dict) -> list:
+    """Book-keeping's kept calls (rule, layer, calls) with each tied pair whose two layers both ran as one unit
+    (``tied``: layer -> its pair); a pair of which one layer did not reach the loss is that layer's gradient alone,
+    which its own rule clips exactly."""
+    if not tied:
+        return kept
+    calls_of = {m: calls for _, m, calls in kept if m in tied}
+    out, done = [], set()
+    for unit in kept:
+        pair = tied.get(unit[1])
+        if pair is None or not (pair.embedding in calls_of and pair.linear in calls_of):
+            out.append(unit)
+        elif pair not in done:
+            done.add(pair)
+            out.append((TIED, pair, (calls_of[pair.embedding], calls_of[pair.linear])))
+    return out
+
+
 class TiedPair:
     """The pair as one book-keeping unit (made once, reused across steps)."""
 
