@@ -107,6 +107,10 @@ MUTANTS = (
            "n2[s:s + step] = (u.transpose", "n2[:len(u)] = (u.transpose",
            ("tests/test_clipping.py::test_conv_rule_in_chunks_of_examples_matches_the_per_example_loop"
             "[conv2d_kept_gram]",)),
+    Mutant("conv-stash-chunks-misplaced", "the conv kept route stashes each chunk's per-sample gradients in the "
+           "first examples' rows: the clipped sum scales one example's gradient by another's factor",
+           "workbench/privacy/clipping/layers.py", "state.formed[s:s + step] = w", "state.formed[:len(w)] = w",
+           ("tests/test_clipping.py::test_conv_rule_in_chunks_of_examples_matches_the_per_example_loop[conv2d_kept]",)),
     Mutant("fp-linear-seq-norm-without-kernel-error", "the Linear sequence kept route clips against the float32 "
            "per-sample norm, not the matmul's sum",
            "workbench/privacy/clipping/layers.py", "scale = (formed + gamma(kernel_depth(batch, steps)))",

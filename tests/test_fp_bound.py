@@ -104,6 +104,7 @@ LAYERS = {
                                                   channels_first=True), 9, 16),
     "conv1d_stride_groups": (lambda: Probe(nn.Conv1d(8, 8, 3, stride=2, groups=2), (8, 16), 8, 7,
                                            channels_first=True), 16, 8),
+    "conv3x3_kept_stashed": (lambda: Probe(nn.Conv2d(8, 16, 3), (8, 6, 6), 16, 16, channels_first=True), 36, 8),
     "conv2d_formed": (lambda: Probe(nn.Conv2d(2, 4, 3, padding=1), (2, 6, 6), 4, 36, channels_first=True), 36, 2),
     "layernorm": (lambda: Probe(nn.LayerNorm(8), (6, 8), 8, 6), 6, 8),
     "rmsnorm": (lambda: Probe(nn.RMSNorm(8), (6, 8), 8, 6), 6, 8),
@@ -225,7 +226,8 @@ def _embedding_cancelling(model: EmbeddingProbe, seed: int) -> torch.Tensor:
     return torch.full((1, 12), 1.0)
 
 
-@pytest.mark.parametrize("name", ["conv1x1_kept", "patch_embedding", "conv3x3_kept_gram_by_inputs", "linear_seq_kept",
+@pytest.mark.parametrize("name", ["conv1x1_kept", "patch_embedding", "conv3x3_kept_gram_by_inputs",
+                                  "conv3x3_kept_stashed", "linear_seq_kept",
                                   "linear_seq_gram", "embedding"])
 def test_inputs_that_cancel_across_positions_are_released_within_the_clip(name):
     """The issue's cases: one example whose terms cancel across positions (a 1x1 convolution and a patch embedding on
