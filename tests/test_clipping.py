@@ -315,6 +315,38 @@ def test_the_input_gram_route_gives_each_examples_squared_norm(config):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("config", [dict(dims=2, padding=1), dict(dims=2, stride=2, padding=2, dilation=2, groups=2),
+                                    dict(dims=2, padding=(2, 0), dilation=(2, 1), kernel_size=(3, 2)),
+                                    dict(dims=1, stride=2, padding=1, groups=2)])
+def test_the_clipped_sum_by_patches_is_the_weight_gradient(config):
+    """ConvRule's clipped sum as patches @ scaled g (where the weight-gradient kernel is slow) against autograd's
+    float64 weight gradient of the batch, on strides, dilations, groups and paddings."""
+    dims = config.pop("dims")
+    conv = (nn.Conv1d if dims == 1 else nn.Conv2d)(4, 6, **{"kernel_size": 3, **config}).double()
+    x = torch.randn(5, 4, *([7] * dims), dtype=torch.float64)
+    y = conv(x)
+    g = torch.randn_like(y)
+    expected = torch.autograd.grad(y, conv.weight, g)[0]
+    got = ConvRule()._sum_by_patches(conv, x.float(), conv.padding, g.float())
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["conv2d_kept_gram", "conv2d_kept_unstashed", "conv2d_two_sizes_kept_gram",
+                                  "conv1d_dilated_kept_gram_by_inputs"])
+def test_kept_convolutions_summed_by_patches_match_the_per_example_loop(case, monkeypatch):
+    """Every kept call's clipped sum by patches (ConvRule.PATCH_SUM_IF = 0): still the per-example loop's."""
+    monkeypatch.setattr(ConvRule, "PATCH_SUM_IF", 0)
+    make, data = CASES[case]
+    x = data() * 3
+    y = torch.randint(0, 3, (len(x),), generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(0)
+    expected, bites = clipped_sum(make(), rows(x, y), CLIP)
+    assert bites >= 2
+    torch.manual_seed(0)
+    for g, e in zip(_bk_sum(make(), x, y, CLIP, 64), expected):
+        torch.testing.assert_close(g.double(), e, rtol=CLIPPED_RTOL, atol=1e-6)
+
+
 def test_the_input_gram_route_is_taken_on_resnet18s_small_stride_1_layers():
     """Where C_in Lp^2 < C_in k L^2: the stride-1 3x3 layers at 8x8 and 4x4 (2-3x faster measured), not at 16x16 (the
     layer's Gram loses to formed per-sample gradients there) nor on strided layers (4x the input positions)."""

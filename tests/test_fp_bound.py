@@ -20,6 +20,7 @@ from torch import nn
 
 from tests.oracle import clipped_sum
 from workbench.privacy.clipping.bound import RHO
+from workbench.privacy.clipping.layers import ConvRule
 from workbench.distributed import setup
 from workbench.errors import WorkbenchError
 from workbench.step import GradientStep
@@ -234,6 +235,19 @@ def test_inputs_that_cancel_across_positions_are_released_within_the_clip(name):
     the kept/Gram route, a Linear on sequences, an Embedding whose repeated rows cancel). Its exact gradient is near 0,
     its float32 kernel sum is rounding error hundreds of times C (17,000 C measured before the bound); the bound
     counts that error, so it is released within C."""
+    assert _worst_cancelling(name) <= CLIP * (1 + RHO)
+
+
+@pytest.mark.parametrize("name", ["conv1x1_kept", "conv3x3_kept_gram_by_inputs"])
+def test_kept_convolutions_summed_by_patches_release_cancelling_inputs_within_the_clip(name, monkeypatch):
+    """The same on the clipped sum by patches @ scaled g (ConvRule.PATCH_SUM_IF = 0: every kept call takes it)."""
+    monkeypatch.setattr(ConvRule, "PATCH_SUM_IF", 0)
+    assert _worst_cancelling(name) <= CLIP * (1 + RHO)
+
+
+def _worst_cancelling(name: str) -> float:
+    """The largest norm released for one example whose terms cancel across positions, over 4 seeds (inf if any is
+    not finite)."""
     _, positions, features = LAYERS[name]
     worst = 0.0
     for seed in range(4):
@@ -245,8 +259,9 @@ def test_inputs_that_cancel_across_positions_are_released_within_the_clip(name):
         else:
             step.check((_benign(name), torch.arange(6) % 3))
             x = crafted("cancel", 12, positions, features, seed)
-        worst = max(worst, float(_released(step, x, torch.tensor([seed % 3])).norm()))
-    assert math.isfinite(worst) and worst <= CLIP * (1 + RHO)
+        norm = float(_released(step, x, torch.tensor([seed % 3])).norm())
+        worst = max(worst, norm if math.isfinite(norm) else math.inf)
+    return worst
 
 
 class _Triples(nn.Module):

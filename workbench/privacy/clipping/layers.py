@@ -351,6 +351,9 @@ class ConvRule:
     # oneDNN's grouped kernel measured 1.2-3x slower per example past it (ResNet-18's 128-512-channel layers)
     GRAM_IF = 1.0  # Gram when GRAM_IF * L^2 (C_in k + C_out) < L C_in k C_out per group (flops; the small CNN's
     # kept layer measured alike either way, a wide 256-channel 4x4 layer 3x faster by Gram)
+    PATCH_SUM_IF = 1024  # the clipped sum by patches @ scaled g (one matmul per group) where the weight has at least
+    # this many entries per (example, position) term it reduces over: oneDNN's weight-gradient kernel measured up to
+    # 3x slower there (512 channels at 2x2-4x4, 256->512 strided), faster below (0.6x-0.15x of the matmul's time)
     STASH_IF = 2.5  # kept calls whose norms come from formed per-sample gradients keep those for the clipped sum (one
     # matrix-vector product, not a second weight-gradient kernel) where they take at most this many times a and g:
     # formed after the backward, when the activations autograd saved are freed (ResNet-18's 128-channel 16x16 layers,
@@ -468,6 +471,28 @@ class ConvRule:
         u = torch.empty(windows.shape, dtype=dtype, device=x.device).copy_(windows)
         return u.view(len(x), m.groups, -1, math.prod(out))
 
+    def _patch_rows(self, m, x: torch.Tensor, padding, dtype: torch.dtype) -> torch.Tensor:
+        """(n L, groups, C_in/groups * k) patches, position-major (the rows of the clipped sum's matmul), by one
+        strided copy into ``dtype``; each row in the weight's channel-major order."""
+        if any(padding):
+            x = F.pad(x, [q for p in reversed(padding) for q in (p, p)])
+        out = [(size - d * (k - 1) - 1) // st + 1
+               for size, k, d, st in zip(x.shape[2:], m.kernel_size, m.dilation, m.stride)]
+        st = x.stride()
+        windows = x.as_strided((len(x), *out, x.shape[1], *m.kernel_size),
+                               (st[0], *[k * s for k, s in zip(m.stride, st[2:])], st[1],
+                                *[d * s for d, s in zip(m.dilation, st[2:])]))
+        u = torch.empty(windows.shape, dtype=dtype, device=x.device).copy_(windows)
+        return u.view(len(x) * math.prod(out), m.groups, -1)
+
+    def _sum_by_patches(self, m, x: torch.Tensor, padding, scaled: torch.Tensor) -> torch.Tensor:
+        """sum_i sum_l scaled_il U_il^T: the weight-gradient kernel's sum as a matmul over the same n L terms."""
+        u = self._patch_rows(m, x, padding, scaled.dtype)
+        rows = scaled.flatten(2).transpose(1, 2).reshape(len(u), m.groups, -1)  # (n L, groups, C_out/groups)
+        if m.groups == 1:
+            return (rows[:, 0].t() @ u[:, 0]).view(m.weight.shape)
+        return torch.bmm(rows.permute(1, 2, 0), u.transpose(0, 1)).view(m.weight.shape)
+
     def _patch_squares(self, m, x: torch.Tensor, padding) -> torch.Tensor:
         """(n,) float64 upper bounds on sum_l ||U_l||^2 over the input patches U_l the output positions read (all
         channels), without unfolding: the channel-summed squares convolved with a kernel of ones, then summed."""
@@ -549,7 +574,9 @@ class ConvRule:
             for s in range(0, len(g), c):
                 scaled = (g[s:s + c] * factor[s:s + c].view(-1, *[1] * (g.dim() - 1))).to(dtype)
                 if "weight" in names and formed is None:
-                    view_of[id(m.weight)].add_(self._weight_grad(m, x[s:s + c].to(dtype), padding, scaled))
+                    terms = len(scaled) * math.prod(g.shape[2:])  # the same sums either way: one bound
+                    kernel = self._sum_by_patches if m.weight.numel() >= self.PATCH_SUM_IF * terms else self._weight_grad
+                    view_of[id(m.weight)].add_(kernel(m, x[s:s + c].to(dtype), padding, scaled))
                 if "bias" in names:
                     view_of[id(m.bias)].add_(scaled.flatten(2).sum((0, 2)))
 
