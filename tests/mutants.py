@@ -107,13 +107,13 @@ MUTANTS = (
            "n2[s:s + step] = (u.transpose", "n2[:len(u)] = (u.transpose",
            ("tests/test_clipping.py::test_conv_rule_in_chunks_of_examples_matches_the_per_example_loop"
             "[conv2d_kept_gram]",)),
-    Mutant("conv-stash-chunks-misplaced", "the conv kept route stashes each chunk's per-sample gradients in the "
-           "first examples' rows: the clipped sum scales one example's gradient by another's factor",
-           "workbench/privacy/clipping/layers.py", "state.formed[s:s + step] = w", "state.formed[:len(w)] = w",
+    Mutant("conv-stash-chunks-misplaced", "the conv kept route scales each stashed chunk of per-sample gradients "
+           "by the first examples' factors: an example is clipped by another's norm",
+           "workbench/privacy/clipping/layers.py", "s += len(w)", "s += 0",
            ("tests/test_clipping.py::test_conv_rule_in_chunks_of_examples_matches_the_per_example_loop[conv2d_kept]",)),
     Mutant("conv-patch-sum-rows-unstrided", "the conv clipped sum by patches reads windows as if the stride were 1: "
            "strided layers add the wrong positions' inputs", "workbench/privacy/clipping/layers.py",
-           "(st[0], *[k * s for k, s in zip(m.stride, st[2:])], st[1],", "(st[0], *st[2:], st[1],",
+           "(st[0], *[k * s for k, s in zip(m.stride, st[1:1 + dims])], per,", "(st[0], *st[1:1 + dims], per,",
            ("tests/test_clipping.py::test_the_clipped_sum_by_patches_is_the_weight_gradient[config1]",)),
     Mutant("fp-linear-seq-norm-without-kernel-error", "the Linear sequence kept route clips against the float32 "
            "per-sample norm, not the matmul's sum",

@@ -331,10 +331,11 @@ class EmbeddingRule:
 
 
 class _ConvState(list):
-    """A kept conv layer's prepared calls [(padded input, padding, g)], and the per-sample weight gradients (n, P)
-    its norms were formed from when the rule keeps them for the clipped sum (``ConvRule.STASH_IF``), else None."""
+    """A kept conv layer's prepared calls [(padded input, padding, g)], and the per-sample weight gradients its norms
+    were formed from, chunks of examples in order, (k, P) each, when the rule keeps them for the clipped sum
+    (``ConvRule.STASH_IF``), else None."""
 
-    formed: torch.Tensor | None = None
+    formed: list[torch.Tensor] | None = None
 
 
 class ConvRule:
@@ -351,9 +352,9 @@ class ConvRule:
     # oneDNN's grouped kernel measured 1.2-3x slower per example past it (ResNet-18's 128-512-channel layers)
     GRAM_IF = 1.0  # Gram when GRAM_IF * L^2 (C_in k + C_out) < L C_in k C_out per group (flops; the small CNN's
     # kept layer measured alike either way, a wide 256-channel 4x4 layer 3x faster by Gram)
-    PATCH_SUM_IF = 1024  # the clipped sum by patches @ scaled g (one matmul per group) where the weight has at least
-    # this many entries per (example, position) term it reduces over: oneDNN's weight-gradient kernel measured up to
-    # 3x slower there (512 channels at 2x2-4x4, 256->512 strided), faster below (0.6x-0.15x of the matmul's time)
+    PATCH_SUM_IF = 512  # the clipped sum by patches @ scaled g (one matmul per group) where the weight has at least
+    # this many entries per (example, position) term it reduces over: oneDNN's weight-gradient kernel measured slower
+    # there (weight / (n L) = 576 to 9216: 1.05x-4x the matmul's time with the patch copy), faster at 144 (0.6x)
     STASH_IF = 2.5  # kept calls whose norms come from formed per-sample gradients keep those for the clipped sum (one
     # matrix-vector product, not a second weight-gradient kernel) where they take at most this many times a and g:
     # formed after the backward, when the activations autograd saved are freed (ResNet-18's 128-channel 16x16 layers,
@@ -472,26 +473,32 @@ class ConvRule:
         return u.view(len(x), m.groups, -1, math.prod(out))
 
     def _patch_rows(self, m, x: torch.Tensor, padding, dtype: torch.dtype) -> torch.Tensor:
-        """(n L, groups, C_in/groups * k) patches, position-major (the rows of the clipped sum's matmul), by one
-        strided copy into ``dtype``; each row in the weight's channel-major order."""
-        if any(padding):
-            x = F.pad(x, [q for p in reversed(padding) for q in (p, p)])
-        out = [(size - d * (k - 1) - 1) // st + 1
-               for size, k, d, st in zip(x.shape[2:], m.kernel_size, m.dilation, m.stride)]
-        st = x.stride()
-        windows = x.as_strided((len(x), *out, x.shape[1], *m.kernel_size),
-                               (st[0], *[k * s for k, s in zip(m.stride, st[2:])], st[1],
-                                *[d * s for d, s in zip(m.dilation, st[2:])]))
+        """(n L, groups, k * C_in/groups) patches, position-major (the rows of the clipped sum's matmul), each row in
+        (kernel offset, channel) order: the input copied channels-last (zero-padded) into ``dtype``, then one strided
+        copy whose innermost runs are whole channel vectors (the weight's channel-major order, copied with a stride
+        for every kernel tap, measured 2-3x slower on ResNet-18's 4x4 layers)."""
+        n, c, dims = len(x), x.shape[1], x.dim() - 2
+        size = [s + 2 * q for s, q in zip(x.shape[2:], padding)]
+        xc = x.new_zeros((n, *size, c), dtype=dtype)
+        xc[(slice(None), *[slice(q, q + s) for q, s in zip(padding, x.shape[2:])])].copy_(x.movedim(1, -1))
+        out = [(s - d * (k - 1) - 1) // st + 1 for s, k, d, st in zip(size, m.kernel_size, m.dilation, m.stride)]
+        st, per = xc.stride(), c // m.groups
+        windows = xc.as_strided((n, *out, m.groups, *m.kernel_size, per),
+                                (st[0], *[k * s for k, s in zip(m.stride, st[1:1 + dims])], per,
+                                 *[d * s for d, s in zip(m.dilation, st[1:1 + dims])], 1))
         u = torch.empty(windows.shape, dtype=dtype, device=x.device).copy_(windows)
-        return u.view(len(x) * math.prod(out), m.groups, -1)
+        return u.view(n * math.prod(out), m.groups, -1)
 
     def _sum_by_patches(self, m, x: torch.Tensor, padding, scaled: torch.Tensor) -> torch.Tensor:
-        """sum_i sum_l scaled_il U_il^T: the weight-gradient kernel's sum as a matmul over the same n L terms."""
+        """sum_i sum_l scaled_il U_il^T: the weight-gradient kernel's sum as a matmul over the same n L terms, as a
+        view of the weight's shape (the matmul's columns are in (kernel offset, channel) order)."""
         u = self._patch_rows(m, x, padding, scaled.dtype)
         rows = scaled.flatten(2).transpose(1, 2).reshape(len(u), m.groups, -1)  # (n L, groups, C_out/groups)
         if m.groups == 1:
-            return (rows[:, 0].t() @ u[:, 0]).view(m.weight.shape)
-        return torch.bmm(rows.permute(1, 2, 0), u.transpose(0, 1)).view(m.weight.shape)
+            w = rows[:, 0].t() @ u[:, 0]
+        else:
+            w = torch.bmm(rows.permute(1, 2, 0), u.transpose(0, 1))
+        return w.view(m.out_channels, *m.kernel_size, -1).movedim(-1, 1)
 
     def _patch_squares(self, m, x: torch.Tensor, padding) -> torch.Tensor:
         """(n,) float64 upper bounds on sum_l ||U_l||^2 over the input patches U_l the output positions read (all
@@ -539,7 +546,7 @@ class ConvRule:
             else:
                 step = max(1, min(self.CHUNK_ELEMENTS // m.weight.numel(), self.folded(m)))
                 if self.stashes(m, state):  # the clipped sum is then what the norms are of: rel + gamma_{batch+2}
-                    state.formed = g0.new_empty(n, m.weight.numel())
+                    state.formed = []
             for s in range(0, n, step):
                 chunk = [(x[s:s + step], padding, g[s:s + step]) for x, padding, g in state]
                 if by_inputs:
@@ -549,9 +556,11 @@ class ConvRule:
                     g = _cat([g.double().reshape(len(g), m.groups, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
                     n2[s:s + step] = (u.transpose(-1, -2) @ u).mul_(g.transpose(-1, -2) @ g).sum((1, 2, 3)).clamp_(min=0)
                 else:
-                    w = sum(self._weight_grad(m, x, padding, g, len(g)).view(len(g), -1) for x, padding, g in chunk)
+                    w = self._weight_grad(m, *chunk[0], len(chunk[0][2])).view(len(chunk[0][2]), -1)
+                    for x, padding, g in chunk[1:]:  # a reused layer: its calls' gradients add up (w is fresh)
+                        w.add_(self._weight_grad(m, x, padding, g, len(g)).view(len(g), -1))
                     if state.formed is not None:
-                        state.formed[s:s + step] = w
+                        state.formed.append(w)
                     b = squares(w)
                     n2[s:s + step] = b.n2
                     rel, floor = b.rel + (0.0 if state.formed is None else gamma(batch + 2)), b.floor
@@ -569,7 +578,10 @@ class ConvRule:
         c = per_call(max(math.prod(g.shape[2:]) for _, _, g in state))
         formed = getattr(state, "formed", None)  # None: re-prepared (rows zeroed for the float64 route): the kernel
         if formed is not None and "weight" in names:  # the bound covers both: the formed norms' rel, the kernel's err
-            view_of[id(m.weight)].add_(weighted_sum(formed, factor.to(formed.dtype)).view(m.weight.shape))
+            s = 0  # one product per chunk, each added: a term sees at most its chunk's adds + the chunks' <= n roundings
+            for w in formed:
+                view_of[id(m.weight)].add_(weighted_sum(w, factor[s:s + len(w)].to(w.dtype)).view(m.weight.shape))
+                s += len(w)
         for x, padding, g in state:
             for s in range(0, len(g), c):
                 scaled = (g[s:s + c] * factor[s:s + c].view(-1, *[1] * (g.dim() - 1))).to(dtype)
