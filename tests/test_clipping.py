@@ -331,11 +331,13 @@ def test_the_clipped_sum_by_patches_is_the_weight_gradient(config):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["conv2d_kept_gram", "conv2d_kept_unstashed", "conv2d_two_sizes_kept_gram",
-                                  "conv1d_dilated_kept_gram_by_inputs"])
+@pytest.mark.parametrize("case", ["conv2d_kept_gram", "conv2d_kept", "conv2d_kept_unstashed",
+                                  "conv2d_two_sizes_kept_gram", "conv1d_dilated_kept_gram_by_inputs"])
 def test_kept_convolutions_summed_by_patches_match_the_per_example_loop(case, monkeypatch):
-    """Every kept call's clipped sum by patches (ConvRule.PATCH_SUM_IF = 0): still the per-example loop's."""
+    """Every kept call's clipped sum and formed per-sample gradients by patches (ConvRule.PATCH_SUM_IF = 0,
+    PATCH_FORM_CHANNELS = 0): still the per-example loop's."""
     monkeypatch.setattr(ConvRule, "PATCH_SUM_IF", 0)
+    monkeypatch.setattr(ConvRule, "PATCH_FORM_CHANNELS", 0)
     make, data = CASES[case]
     x = data() * 3
     y = torch.randint(0, 3, (len(x),), generator=torch.Generator().manual_seed(4))

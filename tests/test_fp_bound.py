@@ -238,10 +238,12 @@ def test_inputs_that_cancel_across_positions_are_released_within_the_clip(name):
     assert _worst_cancelling(name) <= CLIP * (1 + RHO)
 
 
-@pytest.mark.parametrize("name", ["conv1x1_kept", "conv3x3_kept_gram_by_inputs"])
+@pytest.mark.parametrize("name", ["conv1x1_kept", "conv3x3_kept_gram_by_inputs", "conv3x3_kept_stashed"])
 def test_kept_convolutions_summed_by_patches_release_cancelling_inputs_within_the_clip(name, monkeypatch):
-    """The same on the clipped sum by patches @ scaled g (ConvRule.PATCH_SUM_IF = 0: every kept call takes it)."""
+    """The same on the clipped sum by patches @ scaled g and per-sample gradients formed as g_i @ U_i
+    (ConvRule.PATCH_SUM_IF = PATCH_FORM_CHANNELS = 0: every kept call takes them)."""
     monkeypatch.setattr(ConvRule, "PATCH_SUM_IF", 0)
+    monkeypatch.setattr(ConvRule, "PATCH_FORM_CHANNELS", 0)
     assert _worst_cancelling(name) <= CLIP * (1 + RHO)
 
 

@@ -22,6 +22,7 @@ round there; the sum is cast to the buffer's dtype only when added.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -336,6 +337,7 @@ class _ConvState(list):
     (``ConvRule.STASH_IF``), else None."""
 
     formed: list[torch.Tensor] | None = None
+    by_patches = False  # formed as patches @ g: columns in (kernel offset, channel) order
 
 
 class ConvRule:
@@ -355,6 +357,10 @@ class ConvRule:
     PATCH_SUM_IF = 512  # the clipped sum by patches @ scaled g (one matmul per group) where the weight has at least
     # this many entries per (example, position) term it reduces over: oneDNN's weight-gradient kernel measured slower
     # there (weight / (n L) = 576 to 9216: 1.05x-4x the matmul's time with the patch copy), faster at 144 (0.6x)
+    PATCH_FORM_CHANNELS = 128  # kept calls' per-sample gradients for their norms formed as g_i @ U_i (a batched
+    # matmul on position-major patches) where an ungrouped layer has at least this many output channels (the matmul's
+    # rows), else by the grouped kernel: 128-channel 16x16 layers measured 1.3-1.7x faster so, 64-channel 32x32 ones
+    # 2x slower (a 64->128 strided layer alike)
     STASH_IF = 2.5  # kept calls whose norms come from formed per-sample gradients keep those for the clipped sum (one
     # matrix-vector product, not a second weight-gradient kernel) where they take at most this many times a and g:
     # formed after the backward, when the activations autograd saved are freed (ResNet-18's 128-channel 16x16 layers,
@@ -489,6 +495,12 @@ class ConvRule:
         u = torch.empty(windows.shape, dtype=dtype, device=x.device).copy_(windows)
         return u.view(n * math.prod(out), m.groups, -1)
 
+    def _formed_by_patches(self, m, x: torch.Tensor, padding, g: torch.Tensor) -> torch.Tensor:
+        """(n, C_out, k * C_in) per-sample weight gradients g_i U_i of an ungrouped layer, columns in (kernel offset,
+        channel) order (the weight's is (channel, kernel offset)): one batched matmul over each example's L terms."""
+        u = self._patch_rows(m, x, padding, g.dtype)
+        return torch.bmm(g.flatten(2), u.view(len(x), -1, u.shape[-1]))
+
     def _sum_by_patches(self, m, x: torch.Tensor, padding, scaled: torch.Tensor) -> torch.Tensor:
         """sum_i sum_l scaled_il U_il^T: the weight-gradient kernel's sum as a matmul over the same n L terms, as a
         view of the weight's shape (the matmul's columns are in (kernel offset, channel) order)."""
@@ -547,6 +559,7 @@ class ConvRule:
                 step = max(1, min(self.CHUNK_ELEMENTS // m.weight.numel(), self.folded(m)))
                 if self.stashes(m, state):  # the clipped sum is then what the norms are of: rel + gamma_{batch+2}
                     state.formed = []
+                state.by_patches = m.groups == 1 and m.out_channels >= self.PATCH_FORM_CHANNELS
             for s in range(0, n, step):
                 chunk = [(x[s:s + step], padding, g[s:s + step]) for x, padding, g in state]
                 if by_inputs:
@@ -556,9 +569,11 @@ class ConvRule:
                     g = _cat([g.double().reshape(len(g), m.groups, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
                     n2[s:s + step] = (u.transpose(-1, -2) @ u).mul_(g.transpose(-1, -2) @ g).sum((1, 2, 3)).clamp_(min=0)
                 else:
-                    w = self._weight_grad(m, *chunk[0], len(chunk[0][2])).view(len(chunk[0][2]), -1)
+                    form = self._formed_by_patches if state.by_patches else functools.partial(self._weight_grad,
+                                                                                             examples=len(chunk[0][2]))
+                    w = form(m, *chunk[0]).view(len(chunk[0][2]), -1)  # L terms per entry either way
                     for x, padding, g in chunk[1:]:  # a reused layer: its calls' gradients add up (w is fresh)
-                        w.add_(self._weight_grad(m, x, padding, g, len(g)).view(len(g), -1))
+                        w.add_(form(m, x, padding, g).view(len(g), -1))
                     if state.formed is not None:
                         state.formed.append(w)
                     b = squares(w)
@@ -580,7 +595,10 @@ class ConvRule:
         if formed is not None and "weight" in names:  # the bound covers both: the formed norms' rel, the kernel's err
             s = 0  # one product per chunk, each added: a term sees at most its chunk's adds + the chunks' <= n roundings
             for w in formed:
-                view_of[id(m.weight)].add_(weighted_sum(w, factor[s:s + len(w)].to(w.dtype)).view(m.weight.shape))
+                total = weighted_sum(w, factor[s:s + len(w)].to(w.dtype))
+                total = total.view(m.out_channels, *m.kernel_size, -1).movedim(-1, 1) if state.by_patches \
+                    else total.view(m.weight.shape)
+                view_of[id(m.weight)].add_(total)
                 s += len(w)
         for x, padding, g in state:
             for s in range(0, len(g), c):
