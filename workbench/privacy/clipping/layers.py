@@ -346,7 +346,10 @@ class ConvRule:
     matmul on the ResNet preset's stride-1 layers). Kept instead where a and g are smaller (many channels on few positions); their norms
     then come from per-sample gradients formed a chunk of examples at a time, or, where cheaper (``use_gram``), by
     the Gram trick ||g_i U_i^T||^2 = sum_{l,l'} (U_i^T U_i)(g_i^T g_i) on unfolded patches U_i, in float64 against
-    cancellation; their clipped sum is the layer's weight-gradient kernel on the clip-scaled output gradient."""
+    cancellation; their clipped sum is the layer's weight-gradient kernel on the clip-scaled output gradient, or
+    patches @ scaled g where that kernel is slow (``PATCH_SUM_IF``), or, where the norms came from per-sample gradients
+    small enough to keep (``STASH_IF``), one matrix-vector product of those. Each choice is by measured cost per
+    layer shape, never by the data: the routes are public."""
 
     CHUNK_ELEMENTS = 2 ** 21  # patches and Gram matrices (float64) or per-sample gradients formed at once for kept
     # calls' norms: 8-16 MiB (2^18 formed ResNet-18's wide layers one example at a time, Python-bound)
