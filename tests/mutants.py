@@ -107,6 +107,19 @@ MUTANTS = (
            "n2[s:s + step] = (u.transpose", "n2[:len(u)] = (u.transpose",
            ("tests/test_clipping.py::test_conv_rule_in_chunks_of_examples_matches_the_per_example_loop"
             "[conv2d_kept_gram]",)),
+    Mutant("conv-stash-chunks-misplaced", "the conv kept route scales each stashed chunk of per-sample gradients "
+           "by the first examples' factors: an example is clipped by another's norm",
+           "workbench/privacy/clipping/layers.py", "s += len(w)", "s += 0",
+           ("tests/test_clipping.py::test_conv_rule_in_chunks_of_examples_matches_the_per_example_loop[conv2d_kept]",)),
+    Mutant("conv-patch-sum-rows-unstrided", "the conv clipped sum by patches reads windows as if the stride were 1: "
+           "strided layers add the wrong positions' inputs", "workbench/privacy/clipping/layers.py",
+           "(st[0], *[k * s for k, s in zip(m.stride, st[1:1 + dims])], per,", "(st[0], *st[1:1 + dims], per,",
+           ("tests/test_clipping.py::test_the_clipped_sum_by_patches_is_the_weight_gradient[config1]",)),
+    Mutant("conv-stash-by-patches-in-kernel-order", "the conv kept route adds per-sample gradients formed as "
+           "patches @ g as if their columns were in the weight's order: channels and kernel taps swapped",
+           "workbench/privacy/clipping/layers.py", "movedim(-1, 1) if state.by_patches", "movedim(-1, 1) if False",
+           ("tests/test_clipping.py::test_kept_convolutions_summed_by_patches_match_the_per_example_loop"
+            "[conv2d_kept]",)),
     Mutant("fp-linear-seq-norm-without-kernel-error", "the Linear sequence kept route clips against the float32 "
            "per-sample norm, not the matmul's sum",
            "workbench/privacy/clipping/layers.py", "scale = (formed + gamma(kernel_depth(batch, steps)))",

@@ -60,16 +60,19 @@ class _Conv(nn.Module):
 class _WideConv(nn.Module):
     """Many channels on few positions: the conv rule keeps (a, g) (smaller than per-sample gradients), its norms by
     the Gram-matrix route at 2x2 output positions, from per-sample gradients formed in chunks at 4x4 (the others form
-    per-sample gradients at once)."""
+    per-sample gradients at once); those are kept for the clipped sum at 8 input channels (ConvRule.STASH_IF), not
+    at 16."""
 
-    def __init__(self, side=4):
+    def __init__(self, side=4, cin=8):
         super().__init__()
-        self.c, self.head, self.side = nn.Conv2d(8, 16, 3), nn.Linear(16, 3), side
-        a, g = torch.zeros(1, 8, side, side), torch.zeros(1, 16, side - 2, side - 2)
-        assert ConvRule.keeps(self.c, a, g) and ConvRule().use_gram(self.c, (side - 2) ** 2) == (side == 4)
+        self.c, self.head, self.side, self.cin = nn.Conv2d(cin, 16, 3), nn.Linear(16, 3), side, cin
+        a, g = torch.zeros(1, cin, side, side), torch.zeros(1, 16, side - 2, side - 2)
+        rule = ConvRule()
+        assert ConvRule.keeps(self.c, a, g) and rule.use_gram(self.c, (side - 2) ** 2) == (side == 4)
+        assert rule.stashes(self.c, [(a, None, g)]) == (side == 6 and cin == 8)
 
     def forward(self, x):
-        return self.head(torch.tanh(self.c(x.view(len(x), 8, self.side, self.side))).mean((2, 3)))
+        return self.head(torch.tanh(self.c(x.view(len(x), self.cin, self.side, self.side))).mean((2, 3)))
 
 
 class _KeptByInputs(nn.Module):
@@ -241,6 +244,7 @@ CASES = {
     "conv2d_same_circular": (lambda: _Conv(2, padding="same", padding_mode="circular"), lambda: _floats(9, 72)),
     "conv2d_kept_gram": (_WideConv, lambda: _floats(9, 128)),
     "conv2d_kept": (lambda: _WideConv(side=6), lambda: _floats(9, 288)),
+    "conv2d_kept_unstashed": (lambda: _WideConv(side=6, cin=16), lambda: _floats(9, 576)),
     "conv2d_kept_gram_by_inputs": (_KeptByInputs, lambda: _floats(9, 72)),
     "conv1d_dilated_kept_gram_by_inputs": (lambda: _KeptByInputs(1), lambda: _floats(9, 64)),
     "linear_both_routes": (_BothRoutes, lambda: _floats(9, 12)),
@@ -274,7 +278,7 @@ def test_book_keeping_matches_the_per_example_loop(case, physical):
 
 
 @pytest.mark.parametrize("case", ["conv2d", "conv2d_strided_dilated_groups_nobias", "conv1d_same_reflect_groups",
-                                  "conv2d_kept_gram", "conv2d_kept", "conv2d_two_sizes_kept_gram",
+                                  "conv2d_kept_gram", "conv2d_kept", "conv2d_kept_unstashed", "conv2d_two_sizes_kept_gram",
                                   "conv2d_kept_gram_by_inputs"])
 def test_conv_rule_in_chunks_of_examples_matches_the_per_example_loop(case, monkeypatch):
     """The conv rule forms per-sample gradients a few examples per grouped kernel and its kept calls' norms a chunk of
@@ -309,6 +313,40 @@ def test_the_input_gram_route_gives_each_examples_squared_norm(config):
                             for i in range(len(x))])
     got = ConvRule()._input_gram_norms(conv, x.float(), conv.padding, g.float())
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("config", [dict(dims=2, padding=1), dict(dims=2, stride=2, padding=2, dilation=2, groups=2),
+                                    dict(dims=2, padding=(2, 0), dilation=(2, 1), kernel_size=(3, 2)),
+                                    dict(dims=1, stride=2, padding=1, groups=2)])
+def test_the_clipped_sum_by_patches_is_the_weight_gradient(config):
+    """ConvRule's clipped sum as patches @ scaled g (where the weight-gradient kernel is slow) against autograd's
+    float64 weight gradient of the batch, on strides, dilations, groups and paddings."""
+    dims = config.pop("dims")
+    conv = (nn.Conv1d if dims == 1 else nn.Conv2d)(4, 6, **{"kernel_size": 3, **config}).double()
+    x = torch.randn(5, 4, *([7] * dims), dtype=torch.float64)
+    y = conv(x)
+    g = torch.randn_like(y)
+    expected = torch.autograd.grad(y, conv.weight, g)[0]
+    got = ConvRule()._sum_by_patches(conv, x.float(), conv.padding, g.float())
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["conv2d_kept_gram", "conv2d_kept", "conv2d_kept_unstashed",
+                                  "conv2d_two_sizes_kept_gram", "conv1d_dilated_kept_gram_by_inputs"])
+def test_kept_convolutions_summed_by_patches_match_the_per_example_loop(case, monkeypatch):
+    """Every kept call's clipped sum and formed per-sample gradients by patches (ConvRule.PATCH_SUM_IF = 0,
+    PATCH_FORM_CHANNELS = 0): still the per-example loop's."""
+    monkeypatch.setattr(ConvRule, "PATCH_SUM_IF", 0)
+    monkeypatch.setattr(ConvRule, "PATCH_FORM_CHANNELS", 0)
+    make, data = CASES[case]
+    x = data() * 3
+    y = torch.randint(0, 3, (len(x),), generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(0)
+    expected, bites = clipped_sum(make(), rows(x, y), CLIP)
+    assert bites >= 2
+    torch.manual_seed(0)
+    for g, e in zip(_bk_sum(make(), x, y, CLIP, 64), expected):
+        torch.testing.assert_close(g.double(), e, rtol=CLIPPED_RTOL, atol=1e-6)
 
 
 def test_the_input_gram_route_is_taken_on_resnet18s_small_stride_1_layers():

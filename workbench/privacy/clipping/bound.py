@@ -17,7 +17,11 @@ The argument (u = 2^-24, float32's unit roundoff; gamma_k = k u / (1 - k u), the
    its distance from the exact gradient is at most gamma_K S_i, S_i = sum_t ||g_it|| ||a_it|| (>= the Frobenius norm
    of sum_t |g_it| |a_it|^T; bounded above by ||g_i||_F ||a_i||_F, Cauchy-Schwarz). Kernels run on chunks of examples
    (``layers.KERNEL_ROWS``) so that K is public and small: it never depends on how many examples were drawn. Rules that form per-sample gradients clip exactly what they sum (their error is
-   gamma_{n+2} of the norm, in ``rel``: one matrix-vector product and the add into the buffer). Gram routes (kept
+   gamma_{n+2} of the norm, in ``rel``: one matrix-vector product and the add into the buffer; kept convolutions that
+   keep the per-sample gradients formed for their norms add one product per chunk of examples: a term is rounded by
+   its chunk's product, then by each chunk's add, at most n + 1 times, within the same gamma_{n+2}). A kernel may be
+   swapped for another that sums the same K products (a convolution's weight gradient as patches @ g, per example
+   or over the batch): the gamma_K argument is about the products summed, not the kernel. Gram routes (kept
    convolutions, kept Linear sequences) compute n2 in float64 from the exact float64 copies of a and g, within
    gamma64_D S_i^2 of the exact squared norm (D = d_in + d_out + T^2 + 2 roundings per term), so their norm is within
    sqrt(gamma64_D) S_i of it: that margin is in ``err`` beside the kernel's.

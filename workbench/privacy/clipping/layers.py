@@ -22,6 +22,7 @@ round there; the sum is cast to the buffer's dtype only when added.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -332,13 +333,25 @@ class EmbeddingRule:
         return {"weight": out.index_add_(0, idx.flatten(), _abs(g[0], absolute))}
 
 
+class _ConvState(list):
+    """A kept conv layer's prepared calls [(padded input, padding, g)], and the per-sample weight gradients its norms
+    were formed from, chunks of examples in order, (k, P) each, when the rule keeps them for the clipped sum
+    (``ConvRule.STASH_IF``), else None."""
+
+    formed: list[torch.Tensor] | None = None
+    by_patches = False  # formed as patches @ g: columns in (kernel offset, channel) order
+
+
 class ConvRule:
     """nn.Conv1d / nn.Conv2d. Per-sample gradients by the layer's own weight-gradient kernel (convolution_backward) with
     the examples folded into the groups: one call, no unfolded patches (measured 2-6x faster than unfold + batched
     matmul on the ResNet preset's stride-1 layers). Kept instead where a and g are smaller (many channels on few positions); their norms
     then come from per-sample gradients formed a chunk of examples at a time, or, where cheaper (``use_gram``), by
     the Gram trick ||g_i U_i^T||^2 = sum_{l,l'} (U_i^T U_i)(g_i^T g_i) on unfolded patches U_i, in float64 against
-    cancellation; their clipped sum is the layer's weight-gradient kernel on the clip-scaled output gradient."""
+    cancellation; their clipped sum is the layer's weight-gradient kernel on the clip-scaled output gradient, or
+    patches @ scaled g where that kernel is slow (``PATCH_SUM_IF``), or, where the norms came from per-sample gradients
+    small enough to keep (``STASH_IF``), one matrix-vector product of those. Each choice is by measured cost per
+    layer shape, never by the data: the routes are public."""
 
     CHUNK_ELEMENTS = 2 ** 21  # patches and Gram matrices (float64) or per-sample gradients formed at once for kept
     # calls' norms: 8-16 MiB (2^18 formed ResNet-18's wide layers one example at a time, Python-bound)
@@ -346,6 +359,17 @@ class ConvRule:
     # oneDNN's grouped kernel measured 1.2-3x slower per example past it (ResNet-18's 128-512-channel layers)
     GRAM_IF = 1.0  # Gram when GRAM_IF * L^2 (C_in k + C_out) < L C_in k C_out per group (flops; the small CNN's
     # kept layer measured alike either way, a wide 256-channel 4x4 layer 3x faster by Gram)
+    PATCH_SUM_IF = 512  # the clipped sum by patches @ scaled g (one matmul per group) where the weight has at least
+    # this many entries per (example, position) term it reduces over: oneDNN's weight-gradient kernel measured slower
+    # there (weight / (n L) = 576 to 9216: 1.05x-4x the matmul's time with the patch copy), faster at 144 (0.6x)
+    PATCH_FORM_CHANNELS = 128  # kept calls' per-sample gradients for their norms formed as g_i @ U_i (a batched
+    # matmul on position-major patches) where an ungrouped layer has at least this many output channels (the matmul's
+    # rows), else by the grouped kernel: 128-channel 16x16 layers measured 1.3-1.7x faster so, 64-channel 32x32 ones
+    # 2x slower (a 64->128 strided layer alike)
+    STASH_IF = 2.5  # kept calls whose norms come from formed per-sample gradients keep those for the clipped sum (one
+    # matrix-vector product, not a second weight-gradient kernel) where they take at most this many times a and g:
+    # formed after the backward, when the activations autograd saved are freed (ResNet-18's 128-channel 16x16 layers,
+    # 2.25x: 70 ms -> 4 ms each per 64 examples, peak memory unchanged)
 
     @staticmethod
     def keeps(m, a, g) -> bool:
@@ -397,7 +421,11 @@ class ConvRule:
         return out
 
     def prepare(self, m, calls, n):
-        return [(*self._padded(m, _precise(a)), _precise(g)) for a, g in calls]
+        return _ConvState((*self._padded(m, _precise(a)), _precise(g)) for a, g in calls)
+
+    def stashes(self, m, state) -> bool:
+        """Whether the per-sample weight gradients formed for the norms are kept for the clipped sum (``STASH_IF``)."""
+        return m.weight.numel() <= self.STASH_IF * sum(_per_example(x) + _per_example(g) for x, _, g in state)
 
     def use_gram(self, m, length: int) -> bool:
         """Per-sample norms by the Gram trick (else from per-sample gradients) at L output positions (all calls)."""
@@ -455,6 +483,40 @@ class ConvRule:
         u = torch.empty(windows.shape, dtype=dtype, device=x.device).copy_(windows)
         return u.view(len(x), m.groups, -1, math.prod(out))
 
+    def _patch_rows(self, m, x: torch.Tensor, padding, dtype: torch.dtype) -> torch.Tensor:
+        """(n L, groups, k * C_in/groups) patches, position-major (the rows of the clipped sum's matmul), each row in
+        (kernel offset, channel) order: the input copied channels-last (zero-padded) into ``dtype``, then one strided
+        copy whose innermost runs are whole channel vectors (the weight's channel-major order, copied with a stride
+        for every kernel tap, measured 2-3x slower on ResNet-18's 4x4 layers)."""
+        n, c, dims = len(x), x.shape[1], x.dim() - 2
+        size = [s + 2 * q for s, q in zip(x.shape[2:], padding)]
+        xc = x.new_zeros((n, *size, c), dtype=dtype)
+        xc[(slice(None), *[slice(q, q + s) for q, s in zip(padding, x.shape[2:])])].copy_(x.movedim(1, -1))
+        out = [(s - d * (k - 1) - 1) // st + 1 for s, k, d, st in zip(size, m.kernel_size, m.dilation, m.stride)]
+        st, per = xc.stride(), c // m.groups
+        windows = xc.as_strided((n, *out, m.groups, *m.kernel_size, per),
+                                (st[0], *[k * s for k, s in zip(m.stride, st[1:1 + dims])], per,
+                                 *[d * s for d, s in zip(m.dilation, st[1:1 + dims])], 1))
+        u = torch.empty(windows.shape, dtype=dtype, device=x.device).copy_(windows)
+        return u.view(n * math.prod(out), m.groups, -1)
+
+    def _formed_by_patches(self, m, x: torch.Tensor, padding, g: torch.Tensor) -> torch.Tensor:
+        """(n, C_out, k * C_in) per-sample weight gradients g_i U_i of an ungrouped layer, columns in (kernel offset,
+        channel) order (the weight's is (channel, kernel offset)): one batched matmul over each example's L terms."""
+        u = self._patch_rows(m, x, padding, g.dtype)
+        return torch.bmm(g.flatten(2), u.view(len(x), -1, u.shape[-1]))
+
+    def _sum_by_patches(self, m, x: torch.Tensor, padding, scaled: torch.Tensor) -> torch.Tensor:
+        """sum_i sum_l scaled_il U_il^T: the weight-gradient kernel's sum as a matmul over the same n L terms, as a
+        view of the weight's shape (the matmul's columns are in (kernel offset, channel) order)."""
+        u = self._patch_rows(m, x, padding, scaled.dtype)
+        rows = scaled.flatten(2).transpose(1, 2).reshape(len(u), m.groups, -1)  # (n L, groups, C_out/groups)
+        if m.groups == 1:
+            w = rows[:, 0].t() @ u[:, 0]
+        else:
+            w = torch.bmm(rows.permute(1, 2, 0), u.transpose(0, 1))
+        return w.view(m.out_channels, *m.kernel_size, -1).movedim(-1, 1)
+
     def _patch_squares(self, m, x: torch.Tensor, padding) -> torch.Tensor:
         """(n,) float64 upper bounds on sum_l ||U_l||^2 over the input patches U_l the output positions read (all
         channels), without unfolding: the channel-summed squares convolved with a kernel of ones, then summed."""
@@ -500,6 +562,9 @@ class ConvRule:
                 step = max(1, self.CHUNK_ELEMENTS // per)
             else:
                 step = max(1, min(self.CHUNK_ELEMENTS // m.weight.numel(), self.folded(m)))
+                if self.stashes(m, state):  # the clipped sum is then what the norms are of: rel + gamma_{batch+2}
+                    state.formed = []
+                state.by_patches = m.groups == 1 and m.out_channels >= self.PATCH_FORM_CHANNELS
             for s in range(0, n, step):
                 chunk = [(x[s:s + step], padding, g[s:s + step]) for x, padding, g in state]
                 if by_inputs:
@@ -509,9 +574,16 @@ class ConvRule:
                     g = _cat([g.double().reshape(len(g), m.groups, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
                     n2[s:s + step] = (u.transpose(-1, -2) @ u).mul_(g.transpose(-1, -2) @ g).sum((1, 2, 3)).clamp_(min=0)
                 else:
-                    b = squares(sum(self._weight_grad(m, x, padding, g, len(g)).view(len(g), -1) for x, padding, g in chunk))
+                    form = self._formed_by_patches if state.by_patches else functools.partial(self._weight_grad,
+                                                                                             examples=len(chunk[0][2]))
+                    w = form(m, *chunk[0]).view(len(chunk[0][2]), -1)  # L terms per entry either way
+                    for x, padding, g in chunk[1:]:  # a reused layer: its calls' gradients add up (w is fresh)
+                        w.add_(form(m, x, padding, g).view(len(g), -1))
+                    if state.formed is not None:
+                        state.formed.append(w)
+                    b = squares(w)
                     n2[s:s + step] = b.n2
-                    rel, floor = b.rel, b.floor
+                    rel, floor = b.rel + (0.0 if state.formed is None else gamma(batch + 2)), b.floor
         if "bias" in names:
             b = squares(sum(g.flatten(2).sum(-1) for _, _, g in state))
             n2 += b.n2
@@ -524,11 +596,22 @@ class ConvRule:
         names = trainable(m)
         dtype = view_of[id(getattr(m, names[0]))].dtype
         c = per_call(max(math.prod(g.shape[2:]) for _, _, g in state))
+        formed = getattr(state, "formed", None)  # None: re-prepared (rows zeroed for the float64 route): the kernel
+        if formed is not None and "weight" in names:  # the bound covers both: the formed norms' rel, the kernel's err
+            s = 0  # one product per chunk, each added: a term sees at most its chunk's adds + the chunks' <= n roundings
+            for w in formed:
+                total = weighted_sum(w, factor[s:s + len(w)].to(w.dtype))
+                total = total.view(m.out_channels, *m.kernel_size, -1).movedim(-1, 1) if state.by_patches \
+                    else total.view(m.weight.shape)
+                view_of[id(m.weight)].add_(total)
+                s += len(w)
         for x, padding, g in state:
             for s in range(0, len(g), c):
                 scaled = (g[s:s + c] * factor[s:s + c].view(-1, *[1] * (g.dim() - 1))).to(dtype)
-                if "weight" in names:
-                    view_of[id(m.weight)].add_(self._weight_grad(m, x[s:s + c].to(dtype), padding, scaled))
+                if "weight" in names and formed is None:
+                    terms = len(scaled) * math.prod(g.shape[2:])  # the same sums either way: one bound
+                    kernel = self._sum_by_patches if m.weight.numel() >= self.PATCH_SUM_IF * terms else self._weight_grad
+                    view_of[id(m.weight)].add_(kernel(m, x[s:s + c].to(dtype), padding, scaled))
                 if "bias" in names:
                     view_of[id(m.bias)].add_(scaled.flatten(2).sum((0, 2)))
 
