@@ -112,8 +112,8 @@ MUTANTS = (
            "workbench/privacy/clipping/layers.py", "scale = (formed + gamma(kernel_depth(batch, steps)))",
            "scale = 0 * (formed + gamma(kernel_depth(batch, steps)))",
            (FP_CANCEL + "[linear_seq_kept_formed]", FP_FUZZ,
-            "tests/test_fp_bound.py::test_a_reduced_float32_matmul_precision_does_not_loosen_the_bound[medium]",
-            "tests/test_fp_bound.py::test_a_reduced_float32_matmul_precision_does_not_loosen_the_bound[high]")),
+            "tests/test_fp_bound.py::test_a_reduced_float32_matmul_precision_does_not_loosen_the_bound[medium-formed]",
+            "tests/test_fp_bound.py::test_a_reduced_float32_matmul_precision_does_not_loosen_the_bound[high-formed]")),
     Mutant("bk-linear-gram-drops-cross-positions", "the Linear Gram route sums <a_t,a_t><g_t,g_t> alone (positions "
            "taken for examples): each example's norm is wrong", "workbench/privacy/clipping/layers.py",
            "n2 = ga.double().mul_(gg.double()).sum((1, 2))",

@@ -282,11 +282,17 @@ def _triples(seed: int, positions=63, d=256) -> torch.Tensor:
     return torch.stack([x1, x2, -3 * (x1 + x2)], 1).reshape(1, -1).float()
 
 
+@pytest.mark.parametrize("route", ["gram", "formed"])  # the Linear's norms: float32 Gram matrices, or formed
 @pytest.mark.parametrize("precision", ["medium", "high"])
-def test_a_reduced_float32_matmul_precision_does_not_loosen_the_bound(precision):
+def test_a_reduced_float32_matmul_precision_does_not_loosen_the_bound(precision, route, monkeypatch):
     """torch.set_float32_matmul_precision("medium") lets oneDNN (CPUs with AMX/avx512_bf16) and TF32 (CUDA) round
     float32 kernels' inputs: a crafted example measured 59 C that way. The bound's kernels run in true float32 whatever
-    the user set, and the user's setting is back afterwards. (On a CPU without bf16 units both settings are exact.)"""
+    the user set, and the user's setting is back afterwards. (On a CPU without bf16 units both settings are exact.)
+    The kept Linear takes its norms from float32 Gram matrices (its cost rule's choice here) or, forced, formed."""
+    if route == "formed":
+        from workbench.privacy.clipping.layers import LinearRule
+
+        monkeypatch.setattr(LinearRule, "GRAM_COST", math.inf)
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)
     try:
