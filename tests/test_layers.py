@@ -129,8 +129,8 @@ def test_the_linear_gram_route_is_taken_where_it_costs_fewer_flops():
                                        (256, 384, 1536, False, True), (512, 384, 1536, False, False),
                                        (128, 384, 384, False, True), (128, 768, 3072, True, True),
                                        (5, 32, 96, True, True), (32, 64, 256, False, True), (64, 64, 64, False, False)):
-        m = nn.Linear(d_in, d_out)
-        a, g = torch.zeros(1, t, d_in), torch.zeros(1, t, d_out)
+        m = nn.Linear(d_in, d_out, device="meta")  # shapes only
+        a, g = torch.zeros(1, t, d_in, device="meta"), torch.zeros(1, t, d_out, device="meta")
         assert rule.keeps(m, a, g) is kept and rule.use_gram(a, g) is gram, (t, d_in, d_out)
     a, g = _floats(BATCH, 5, 32), _floats(BATCH, 5, 96).flip(0)
     per_sample = torch.einsum("nto,nti->noi", g.double(), a.double()).square().sum((1, 2))
