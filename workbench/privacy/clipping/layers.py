@@ -53,8 +53,10 @@ def weighted_sum(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
 
 
 def _position_sums(g: torch.Tensor) -> torch.Tensor:
-    """sum_t g_t of (n, T, d), (n, d): a matmul with ones (measured 2.6x faster than g.sum(1) at d = 1536; the same
-    sums of T terms, as rounded)."""
+    """sum_t g_t of (n, T, d), (n, d): on wide layers a matmul with ones (measured 3.3x faster than g.sum(1) at
+    d = 1536, T = 128; 1.1-1.2x slower at d <= 384), the same sums of T terms as rounded."""
+    if g.shape[-1] <= 512:
+        return g.sum(1)
     return torch.matmul(g.new_ones(1, g.shape[1]), g).squeeze(1)
 
 
