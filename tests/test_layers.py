@@ -5,6 +5,8 @@ Modes are asked, not assumed: a mode that refuses a model (a one-line WorkbenchE
 it, saying so; a mode that accepts it must be exact. ``hooks`` (Opacus) and ``auto`` must accept every case here.
 """
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -131,18 +133,58 @@ def test_clipped_sum_equals_the_per_example_loop(case, mode):
 
 
 def test_the_linear_gram_route_is_taken_where_it_costs_fewer_flops():
-    """bk's kept Linear sequences take the Gram route where T (d_in + d_out) GRAM_IF < d_in d_out (the vit preset's
-    layers, the linear_sequence_gram case above), else form per-sample gradients (the gpt preset's); the Gram norms
-    are those of the per-sample gradients formed independently (float64 einsum)."""
+    """bk's Linear sequences choose by cost (LinearRule's docstring): kept with Gram norms where the float32 Gram
+    matrices cost less than forming would add (the MiniLM preset's 384x1536 FFN at T = 128: measured 16 ms against
+    58 ms formed, 33 ms for the weight-gradient matmul both pay), formed during the backward where memory allows and
+    the Gram matrices cost more (the same FFN at T = 256, T = 512; q/k/v at T = 128), kept by memory otherwise. The
+    Gram norms bound those of the per-sample gradients formed independently (float64 einsum) from above, tightly."""
     from workbench.privacy.clipping.layers import LinearRule
 
     rule = LinearRule()
-    for t, d_in, d_out, gram in ((5, 32, 96, True), (5, 32, 64, True), (2, 16, 24, True), (5, 32, 32, False),
-                                 (32, 64, 192, False), (32, 64, 256, False)):
-        assert rule.use_gram(torch.zeros(1, t, d_in), torch.zeros(1, t, d_out)) is gram, (t, d_in, d_out)
+    for t, d_in, d_out, kept, gram in ((128, 384, 1536, True, True), (128, 1536, 384, True, True),
+                                       (256, 384, 1536, False, True), (512, 384, 1536, False, False),
+                                       (128, 384, 384, False, True), (128, 768, 3072, True, True),
+                                       (5, 32, 96, True, True), (32, 64, 256, False, True), (64, 64, 64, False, False)):
+        m = nn.Linear(d_in, d_out, device="meta")  # shapes only
+        a, g = torch.zeros(1, t, d_in, device="meta"), torch.zeros(1, t, d_out, device="meta")
+        assert rule.keeps(m, a, g) is kept and rule.use_gram(a, g) is gram, (t, d_in, d_out)
     a, g = _floats(BATCH, 5, 32), _floats(BATCH, 5, 96).flip(0)
-    per_sample = torch.einsum("nto,nti->noi", g.double(), a.double())
-    torch.testing.assert_close(rule._gram(a, g), per_sample.square().sum((1, 2)), rtol=1e-12, atol=0)
+    per_sample = torch.einsum("nto,nti->noi", g.double(), a.double()).square().sum((1, 2))
+    n2, in64, _, _ = rule._gram(a, g)
+    assert in64 is None and bool((n2 >= per_sample).all())
+    torch.testing.assert_close(n2, per_sample, rtol=1e-4, atol=0)
+
+
+def test_the_float32_gram_bound_holds_and_falls_back_to_float64_where_it_is_loose():
+    """The float32 Gram route's n2 is an upper bound on each example's exact squared norm (bound.gram32_margin), for
+    plain inputs (half of whose float32 Gram sums round below the exact) and crafted ones: positions whose dot
+    products cancel (a_2 = -a_1 + small: the float32 Gram loses the small part), one huge coordinate, subnormal
+    values. Where the margin is loose beside the sum, that example alone is recomputed in float64 (exact Gram
+    matrices: within gamma64 of the exact, its margin then the caller's err)."""
+    from workbench.privacy.clipping.bound import U64, gamma
+    from workbench.privacy.clipping.layers import LinearRule
+
+    gen = torch.Generator().manual_seed(5)
+    t, d_in, d_out = 6, 48, 40
+    a, g = torch.randn(12, t, d_in, generator=gen), torch.randn(12, t, d_out, generator=gen)
+    a[8, 1] = -a[8, 0] + 2.0 ** -12 * torch.randn(d_in, generator=gen)  # cancels in <a_0, a_1>
+    g[8, 1], a[8, 2:] = g[8, 0], 0.0
+    a[9, 2, 3] = 2.0 ** 40  # one huge coordinate
+    a[10] *= 2.0 ** -70  # products below float32's normal range
+    g[10] *= 2.0 ** -70
+    a[11, 1], g[11, 1] = -a[11, 0], g[11, 0]  # a gradient of positions 2.. only, small beside what cancels
+    a[11, 2:] *= 1e-4
+    a[11] *= 1e15
+    exact = torch.einsum("nto,nti->noi", g.double(), a.double()).square().sum((1, 2))
+    n2, in64, an, gn = LinearRule._gram(a, g)
+    assert bool((an >= a.double().norm(dim=2)).all()) and bool((gn >= g.double().norm(dim=2)).all())
+    assert in64 is not None and bool(in64[8]) and bool(in64[11]) and not bool(in64[:8].any())
+    assert bool((n2[~in64] >= exact[~in64]).all()), (n2 - exact)
+    torch.testing.assert_close(n2[:8], exact[:8], rtol=2.0 ** -8, atol=0)  # tight where accepted
+    # recomputed in float64: within sqrt(gamma64_D) S of the exact norm (the margin bound() puts in err)
+    s = torch.linalg.vecdot(an, gn)[in64]
+    margin = math.sqrt(gamma(d_in + d_out + t * t + 2, U64)) * s
+    assert bool(((n2[in64].sqrt() - exact[in64].sqrt()).abs() <= margin).all())
 
 
 class SelfAttention(nn.Module):
@@ -161,9 +203,12 @@ class SelfAttention(nn.Module):
         return self.head(self.attn(h, h, h, need_weights=False)[0].mean(1))
 
 
-@pytest.mark.parametrize("t", [2, 4])  # the joined layers' Gram route, their formed route
-def test_q_k_v_reading_one_input_are_joined_and_each_example_is_clipped_as_the_oracle_clips_it(t):
+@pytest.mark.parametrize("t,gram", [(2, True), (4, False)])  # the joined layers' Gram route, their formed norms
+def test_q_k_v_reading_one_input_are_joined_and_each_example_is_clipped_as_the_oracle_clips_it(t, gram, monkeypatch):
     from workbench.privacy.clipping.layers import LinearRule
+
+    if not gram:  # kept by memory, norms formed (the route the Gram's cost rule leaves to layers called many times)
+        monkeypatch.setattr(LinearRule, "GRAM_COST", math.inf)
 
     def make():
         torch.manual_seed(0)
@@ -179,7 +224,7 @@ def test_q_k_v_reading_one_input_are_joined_and_each_example_is_clipped_as_the_o
     step((x, y), step=0)
     a = model.attn
     assert list(step.clipper._joins) == [(a.q_proj, a.k_proj, a.v_proj)]  # out_proj's input differs: not joined
-    assert LinearRule().use_gram(torch.zeros(1, t, 16), torch.zeros(1, t, 48)) is (t == 2)
+    assert LinearRule().use_gram(torch.zeros(1, t, 16), torch.zeros(1, t, 48)) is gram
     for p, e in zip(step.params, expected):
         torch.testing.assert_close(p.grad.double(), e, rtol=1e-4, atol=1e-6)
 

@@ -24,7 +24,9 @@ The argument (u = 2^-24, float32's unit roundoff; gamma_k = k u / (1 - k u), the
    or over the batch): the gamma_K argument is about the products summed, not the kernel. Gram routes (kept
    convolutions, kept Linear sequences) compute n2 in float64 from the exact float64 copies of a and g, within
    gamma64_D S_i^2 of the exact squared norm (D = d_in + d_out + T^2 + 2 roundings per term), so their norm is within
-   sqrt(gamma64_D) S_i of it: that margin is in ``err`` beside the kernel's.
+   sqrt(gamma64_D) S_i of it: that margin is in ``err`` beside the kernel's. Kept Linear sequences take their Gram
+   matrices in float32 first (:func:`gram32_margin`: the sum within M_i of the exact squared norm, so max(sum, 0) + M_i
+   is an upper bound in ``n2``); an example whose M_i is not small beside its sum is recomputed by the float64 route.
 2. The parts are disjoint blocks of the example's vector, so B_i = (sqrt(sum n2 + sum floor) + sum err)(1 + max rel)
    bounds the norm of the unscaled vector added; :func:`clip_factors` derives f_i <= 1 with f_i B_i <= C - slack
    (the float32 factor, its product with g and the float32 sums and (r)sqrt of the bound are inside a 1 + 8u).
@@ -113,6 +115,40 @@ def example_norms(t: torch.Tensor) -> tuple[torch.Tensor, float]:
     per_example = t[0].numel() if len(t) else 0
     sq = torch.linalg.vector_norm(t, dim=tuple(range(1, t.dim()))).square_().double()
     return sq.add_(per_example * SUBNORMAL).sqrt_(), gamma(per_example + 3) / 2
+
+
+def diagonal_norms(gram: torch.Tensor, d: int) -> torch.Tensor:
+    """(n, T) float64 upper bounds on the norms ||x_t|| of a sequence x (n, T, d), from the diagonal of its float32
+    Gram matrix x x^T (n, T, T): each entry a float32 dot product of length d, within gamma_d ||x_t||^2 + d 2^-149 of
+    the exact (see :func:`gram32_margin`), so ||x_t||^2 <= (G^_tt + d 2^-149) / (1 - gamma_d); the float64 add,
+    division and square root rounded up by 1 + 4 u64. An infinite diagonal (past float32's range) stays infinite."""
+    sq = gram.diagonal(dim1=1, dim2=2).double().add(d * 2.0 ** -149).div_(1.0 - gamma(d))
+    return sq.sqrt_().mul_(1.0 + 4 * U64)
+
+
+def gram32_margin(an: torch.Tensor, gn: torch.Tensor, d_in: int, d_out: int) -> torch.Tensor:
+    """(n,) float64 M_i with |N^_i - N_i| <= M_i, where N_i = ||sum_t g_t a_t^T||^2 is the exact squared norm of float32
+    inputs a (n, T, d_in), g (n, T, d_out) and N^_i = sum_{t,t'} fl32(<a_t,a_t'>) fl32(<g_t,g_t'>), the products
+    (exact: two float32 significands fit in float64's) summed in float64 in any order; ``an``, ``gn``: upper bounds on
+    ||a_t||, ||g_t|| (:func:`diagonal_norms`).
+
+    Each float32 dot product of length d, however blocked, FMA or not, is within gamma_d sum_k |a_tk a_t'k| + d 2^-149
+    of the exact (the relative part from the roundings, the absolute part from products rounded below 2^-126), and
+    sum_k |a_tk a_t'k| <= ||a_t|| ||a_t'||. So with e_A = gamma_{d_in}, u_A = d_in 2^-149 (e_G, u_G alike), and
+    |A_tt'| <= ||a_t|| ||a_t'||, |G_tt'| <= ||g_t|| ||g_t'||, summed over t, t':
+        sum |A^ G^ - A G| <= (e_A + e_G + e_A e_G) S^2 + u_A (1 + e_G) G1^2 + u_G (1 + e_A) A1^2 + T^2 u_A u_G
+    with S = sum_t ||a_t|| ||g_t||, A1 = sum_t ||a_t||, G1 = sum_t ||g_t||; call it E. The float64 sum of the T^2
+    products adds at most gamma64_{T^2} sum |A^ G^| <= gamma64_{T^2} (S^2 + E). So M = E (1 + gamma64_{T^2}) +
+    gamma64_{T^2} S^2; the float64 arithmetic of M itself (a few dozen roundings of positive terms) is inside a final
+    1 + gamma64_64."""
+    t = an.shape[1]
+    s2 = torch.linalg.vecdot(an, gn).square_()
+    a1, g1 = an.sum(1).square_(), gn.sum(1).square_()
+    e_a, e_g, u_a, u_g = gamma(d_in), gamma(d_out), d_in * 2.0 ** -149, d_out * 2.0 ** -149
+    e_sum = gamma(t * t, U64)
+    absolute = g1.mul_(u_a * (1 + e_g)).add_(a1.mul_(u_g * (1 + e_a))).add_(t * t * u_a * u_g)
+    relative = (e_a + e_g + e_a * e_g) * (1 + e_sum) + e_sum
+    return s2.mul_(relative).add_(absolute.mul_(1 + e_sum)).mul_(1.0 + gamma(64, U64))
 
 
 def materialised(t: torch.Tensor, batch: int) -> Bound:

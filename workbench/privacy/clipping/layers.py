@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.privacy.clipping.bound import SUBNORMAL, UNDERFLOW, U32, U64, Bound, example_norms, gamma, squares
+from workbench.privacy.clipping.bound import (SUBNORMAL, UNDERFLOW, U32, U64, Bound, example_norms, gamma,
+                                              diagonal_norms, gram32_margin, squares)
 
 Calls = list[tuple[torch.Tensor, torch.Tensor]]  # (layer input a, gradient g of its output) per call
 
@@ -50,6 +51,14 @@ def weighted_sum(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     if t.dim() == 3 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous():
         return torch.mv(t.transpose(1, 2).reshape(len(t), -1).t(), factor).view(t.shape[2], t.shape[1]).t()
     return torch.mv(t.reshape(len(t), -1).t(), factor).view(t.shape[1:])
+
+
+def _position_sums(g: torch.Tensor) -> torch.Tensor:
+    """sum_t g_t of (n, T, d), (n, d): on wide layers a matmul with ones (measured 3.3x faster than g.sum(1) at
+    d = 1536, T = 128; 1.1-1.2x slower at d <= 384), the same sums of T terms as rounded."""
+    if g.shape[-1] <= 512:
+        return g.sum(1)
+    return torch.matmul(g.new_ones(1, g.shape[1]), g).squeeze(1)
 
 
 def _cat(ts: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -109,21 +118,42 @@ class Materialised:
 
 class LinearRule:
     """nn.Linear on (n, d) or (n, ..., d) inputs. One row per example: ||g_i a_i^T||^2 = ||a_i||^2 ||g_i||^2, the calls
-    kept, the clipped sum one matmul. Sequences: the per-sample gradient sum_t g_it a_it^T (one batched matmul), formed
-    in place of a and g where at most ``FORM_IF`` times larger. Kept sequences take their norms by whichever costs
-    fewer flops per example (the mixed ghost-norm rule of Bu et al., 2023): per-sample gradients formed (T d_in d_out)
-    or the Gram route sum_{t,t'} <a_t,a_t'> <g_t,g_t'> (T^2 (d_in + d_out)), in float64 (never negative from
-    cancellation as in float32; weighted ``GRAM_IF`` for float64's cost: measured on the vit and gpt presets' shapes)."""
+    kept, the clipped sum one matmul. Sequences choose by cost (the mixed ghost-norm rule of Bu et al., 2023), in units
+    of the non-private weight-gradient matmul's T d_in d_out multiply-adds per example:
+    - formed: the per-sample gradients sum_t g_t a_t^T (one batched matmul, ``FORM_COST`` per unit: its inner
+      dimension is only T), taken during the backward where at most ``FORM_IF`` times the memory of a and g; the
+      clipped sum is then one matrix-vector product;
+    - kept with Gram norms: sum_{t,t'} <a_t,a_t'> <g_t,g_t'> (T^2 (d_in + d_out) multiply-adds, ``GRAM_COST`` each,
+      :meth:`_gram`), then the clipped sum as a second weight-gradient matmul (1 unit);
+    - kept with formed norms (where the Gram matrices cost more than forming): both, the dearest.
+    Kept wins over formed where GRAM_COST T (d_in + d_out) < (FORM_COST - 1) d_in d_out. Measured (one thread, CPU
+    time, n = 16, float32 Gram as :meth:`_gram`; ms): 384x1536 at T = 128: weight-gradient mm 33, formed 58, Gram 16;
+    T = 256: 59, 86, 66; T = 512: 140, 161, 238; 768x3072 at T = 128: 105, 224, 36; 256x1024 at T = 64: 7.7, 13, 4.2;
+    384x384 at T = 128: 8.6, 8.7, 5.8 (FORM_COST 1.15-2.1, GRAM_COST 1.0-1.7 per unit)."""
 
-    GRAM_IF = 4.0
+    FORM_COST = 1.65  # formed per-sample gradients per unit (batched matmul over T only: 1.15x at T = 512, 2.1x at 128)
+    GRAM_COST = 1.3  # the float32 Gram matrices per multiply-add, relative to the weight-gradient matmul's
     FORM_IF = 2.0  # sequences form per-sample gradients during the backward up to twice the memory of a and g: their
     # clipped sum is then one matrix-vector product, not a second weight-gradient kernel (the gpt preset's layers, 1.0x
     # to 1.6x: 0.52x -> 0.66x of non-private CPU time); wider ratios stay kept (vit's, 3.3x: forming measured slower)
+    TIGHT = 2.0 ** -8  # the float32 Gram's rounding margin accepted up to this share of the squared norm (<= 0.2 % on
+    # the norm, as loose as the kernels' own margins); examples past it are recomputed in float64 (:meth:`_gram`)
 
     @classmethod
     def keeps(cls, m, a, g) -> bool:
-        return a.dim() == 2 or cls.FORM_IF * (_per_example(a) + _per_example(g)) < sum(
-            getattr(m, name).numel() for name in trainable(m))
+        if a.dim() == 2:
+            return True
+        weights = sum(getattr(m, name).numel() for name in trainable(m))
+        if cls.FORM_IF * (_per_example(a) + _per_example(g)) < weights:
+            return True  # forming would take too much memory
+        t, d_in, d_out = _per_example(a) // a.shape[-1], a.shape[-1], g.shape[-1]
+        return "weight" in trainable(m) and cls.gram_pays(t, d_in, d_out, cls.FORM_COST - 1.0)
+
+    @classmethod
+    def gram_pays(cls, t: int, d_in: int, d_out: int, against: float) -> bool:
+        """Whether the Gram matrices of a (T, d_in) input and (T, d_out) output gradient cost less than ``against``
+        units of T d_in d_out (see the class docstring)."""
+        return cls.GRAM_COST * t * (d_in + d_out) < against * d_in * d_out
 
     @staticmethod
     def per_sample(m, a, g):
@@ -132,7 +162,7 @@ class LinearRule:
         names = trainable(m)
         out = {"weight": LinearRule._weights(a, g)} if "weight" in names else {}
         if "bias" in names:
-            out["bias"] = g.sum(1)
+            out["bias"] = _position_sums(g)
         return out
 
     @staticmethod
@@ -144,15 +174,35 @@ class LinearRule:
         return torch.bmm(g.transpose(1, 2), a)
 
     def use_gram(self, a: torch.Tensor, g: torch.Tensor) -> bool:
-        """Kept sequences (n, T, d_in), (n, T, d_out): per-sample weight norms by the Gram route (else formed)."""
-        return self.GRAM_IF * a.shape[1] * (a.shape[2] + g.shape[2]) < a.shape[2] * g.shape[2]
+        """Kept sequences (n, T, d_in), (n, T, d_out): per-sample weight norms by the Gram route where its matrices
+        cost less than forming the per-sample gradients (else formed)."""
+        return self.gram_pays(a.shape[1], a.shape[2], g.shape[2], self.FORM_COST)
 
-    @staticmethod
-    def _gram(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """(n,) float64 squared norms of sum_t g_t a_t^T: sum_{t,t'} <a_t,a_t'> <g_t,g_t'> on the inputs made float64
-        (exact), within gamma64_{d_in+d_out+T^2+2} S^2 of the exact, S = sum_t ||g_t|| ||a_t||; clamped at 0."""
-        a, g = a.double(), g.double()
-        return (a @ a.transpose(1, 2)).mul_(g @ g.transpose(1, 2)).sum((1, 2)).clamp_(min=0)
+    @classmethod
+    def _gram(cls, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                                               torch.Tensor]:
+        """(n,) float64 upper bounds on the squared norms of sum_t g_t a_t^T, the mask of examples whose bound came
+        from float64 Gram matrices (None: none did), and (n, T) upper bounds on the position norms ||a_t||, ||g_t||.
+        The Gram matrices A = a a^T, G = g g^T in float32, their products (exact in float64) summed in float64: within
+        a margin M of the exact squared norm (:func:`~workbench.privacy.clipping.bound.gram32_margin`, from the
+        position norms, read off the Gram matrices' diagonals: :func:`~workbench.privacy.clipping.bound.
+        diagonal_norms`), so max(sum, 0) + M is an upper bound. Where M is
+        more than ``TIGHT`` of it (terms that cancel across positions) the example's Gram is recomputed from float64
+        copies of a and g (exact), its sum within gamma64_{d_in+d_out+T^2+2} S^2 of the exact, S = sum_t ||g_t||
+        ||a_t||; that margin goes into the caller's err, as before, so such an example is judged by clip_factors'
+        ill-conditioning test on its float64 norm."""
+        ga, gg = a @ a.transpose(1, 2), g @ g.transpose(1, 2)
+        an, gn = diagonal_norms(ga, a.shape[2]), diagonal_norms(gg, g.shape[2])
+        n2 = ga.double().mul_(gg.double()).sum((1, 2))
+        margin = gram32_margin(an, gn, a.shape[2], g.shape[2])
+        bound = n2.clamp(min=0).add_(margin).mul_(1.0 + 4 * U64)  # the two float64 roundings here, rounded up
+        loose = ~(margin <= cls.TIGHT * n2)  # NaN (inf - inf) included
+        if not bool(loose.any()):
+            return bound, None, an, gn
+        rows = loose.nonzero().flatten()
+        a64, g64 = a[rows].double(), g[rows].double()
+        bound[rows] = (a64 @ a64.transpose(1, 2)).mul_(g64 @ g64.transpose(1, 2)).sum((1, 2)).clamp_(min=0)
+        return bound, loose, an, gn
 
     @staticmethod
     def prepare(m, calls: Calls, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,28 +226,37 @@ class LinearRule:
             return Bound(n2, rel, slack=UNDERFLOW * math.sqrt(m.weight.numel() + g.shape[1]),
                          floor=2.0 ** -148)  # the float32 product of two tiny squares may round to 0
         # sequences: per-sample gradients formed in float32 (sum over T: within gamma_T S of the exact) or the Gram
-        # route in float64 (its squared norm within gamma64_D S^2, so its norm within sqrt(gamma64_D) S), the clipped
-        # sum one matmul per chunk of examples (within gamma_depth S), S = sum_t ||g_t|| (||a_t|| + 1 with a bias)
-        # <= ||g||_F (||a||_F + sqrt(T)) by Cauchy-Schwarz: two passes, no per-position tensors
+        # route (float32 Gram matrices: their margin in n2; or float64: its squared norm within gamma64_D S^2, so its
+        # norm within sqrt(gamma64_D) S), the clipped sum one matmul per chunk of examples (within gamma_depth S),
+        # S = sum_t ||g_t|| (||a_t|| + 1 with a bias): from the position norms the Gram route takes anyway, else
+        # <= ||g||_F (||a||_F + sqrt(T)) by Cauchy-Schwarz (two passes, no per-position tensors)
         steps = a.shape[1]
-        (gn, g_rel), (an, a_rel) = example_norms(g), example_norms(a)
         gram = "weight" in names and self.use_gram(a, g)
         formed = gamma(steps + 1)  # the bias's sum over T is formed in float32 on both routes
+        in64 = None  # the examples whose Gram is float64's (their margin is err's, not n2's)
         if gram:
-            formed = max(formed, math.sqrt(gamma(a.shape[2] + g.shape[2] + steps ** 2 + 2, U64)))
-            w = Bound(self._gram(a, g))
+            n2w, in64, an, gn = self._gram(a, g)
+            w, g_rel, a_rel = Bound(n2w), 0.0, 0.0  # the position norms are upper bounds already
         else:
+            (gn, g_rel), (an, a_rel) = example_norms(g), example_norms(a)
             w = squares(self._weights(a, g)) if "weight" in names else None
-        b = squares(g.sum(1)) if "bias" in names else None
+        b = squares(_position_sums(g)) if "bias" in names else None
         if w is None:
             n2, rel, floor, magnitude = b.n2, b.rel, b.floor, gn.mul_(math.sqrt(steps))
         elif b is None:
-            n2, rel, floor, magnitude = w.n2, w.rel, w.floor, gn.mul_(an)
+            n2, rel, floor = w.n2, w.rel, w.floor
+            magnitude = torch.linalg.vecdot(gn, an) if gram else gn.mul_(an)
         else:
             n2, rel, floor = w.n2.double().add_(b.n2), max(w.rel, b.rel), w.floor + b.floor
-            magnitude = gn.mul_(an.add_(math.sqrt(steps)))
+            magnitude = torch.linalg.vecdot(gn, an.add_(1.0)) if gram else gn.mul_(an.add_(math.sqrt(steps)))
+        if gram:  # the float64 sum over positions, rounded up
+            magnitude.mul_(1.0 + gamma(steps + 1, U64))
         scale = (formed + gamma(kernel_depth(batch, steps))) * (1 + g_rel) * (1 + a_rel) * (1 + 4 * U64)
-        return Bound(n2, rel, magnitude.mul_(scale),
+        err = magnitude * scale
+        if in64 is not None:
+            g64 = math.sqrt(gamma(a.shape[2] + g.shape[2] + steps ** 2 + 2, U64))
+            err += magnitude.mul_(in64.to(magnitude.dtype)).mul_(g64 * (1 + g_rel) * (1 + a_rel) * (1 + 4 * U64))
+        return Bound(n2, rel, err,
                      UNDERFLOW * steps * math.sqrt(sum(getattr(m, k).numel() for k in names)), floor)
 
     def add_clipped(self, m, state, factor, view_of):
@@ -218,9 +277,9 @@ class LinearRule:
                 left, right = left.to(dtype).reshape(-1, gs.shape[-1]), right.to(dtype).reshape(-1, as_.shape[-1])
                 for layer, cols in _columns(layers):
                     view_of[id(layer.weight)].addmm_(left[:, cols].t(), right)
-            if "bias" in names:  # sum_i f_i sum_t g_it: per-example sums over T, one matrix-vector product, one cast
-                sums = gs.reshape(len(gs), -1, gs.shape[-1]).sum(1)
-                total = torch.mv(sums.t(), fs.to(sums.dtype)).to(dtype)
+            if "bias" in names:  # sum_i f_i sum_t g_it: one matrix-vector product over the chunk's rows, one cast
+                rows = gs.reshape(-1, gs.shape[-1])
+                total = torch.mv(rows.t(), fs.to(rows.dtype).repeat_interleave(len(rows) // len(gs))).to(dtype)
                 for layer, cols in _columns(layers):
                     view_of[id(layer.bias)].add_(total[cols])
 
