@@ -173,8 +173,14 @@ MUTANTS = (
            "scale = (1 + max(u_rel, g_rel))", "scale = 0 * (1 + max(u_rel, g_rel))", (FP_CANCEL + "[tied]",)),
     Mutant("bk-hf-conv1d-sum-untransposed", "GPT-2's Conv1D (a Linear stored transposed) gets the Linear layout's "
            "clipped sum: a square projection's update is its transpose", "workbench/privacy/clipping/layers.py",
-           "{**view_of, id(m.weight): view_of[id(m.weight)].t()}", "view_of",
+           "view_of = {**view_of, id(m.weight): view_of[id(m.weight)].t()}", "view_of = view_of",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[hf_conv1d_sequence_kept-bk]",)),
+    Mutant("bk-leading-1-read-per-call", "shared position ids whose first dimension is 1 in one call are taken for a "
+           "batch of 1 (ids (T,) at T = 1): every example's gradient reaches every example's copy",
+           "workbench/privacy/clipping/book_keeping.py", "ids.expand(n, *ids.shape[1:] if lead else ids.shape)",
+           "ids.expand(n, *ids.shape[1:] if ids.dim() and ids.shape[0] == 1 else ids.shape)",
+           ("tests/test_model_zoo.py::test_shared_position_ids_stay_per_example_when_a_later_batch_is_one_token_long"
+            "[False]",)),
     Mutant("fp-linear-rows-norm-in-bf16", "the Linear rows route's norms from bf16-rounded inputs: rounded down, an "
            "example escapes the clip", "workbench/privacy/clipping/layers.py", "aa = torch.linalg.vecdot(a, a)", "aa = torch.linalg.vecdot(a.bfloat16(), a.bfloat16()).float()",
            (FP_FUZZ,)),

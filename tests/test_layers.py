@@ -46,11 +46,14 @@ class TwoEmbeddings(nn.Module):
         return self.emb(x[:, :3]) + self.emb(x[:, 3:])
 
 
-def _hf_conv1d(d_in, d_out):
-    """Hugging Face's Conv1D (GPT-2's projections, a Linear stored transposed); transformers is a dev dependency."""
+def _hf_conv1d(d_in, d_out, bias_only=False):
+    """Hugging Face's Conv1D (GPT-2's projections, a Linear stored transposed); transformers is a dev dependency.
+    ``bias_only``: its weight frozen (BitFit)."""
     from transformers.pytorch_utils import Conv1D
 
-    return Conv1D(d_out, d_in)
+    layer = Conv1D(d_out, d_in)
+    layer.weight.requires_grad_(not bias_only)
+    return layer
 
 
 def _tokens(n, length):
@@ -72,6 +75,7 @@ CASES = {
     "hf_conv1d": (lambda: Probe(_hf_conv1d(5, 6), 6), _floats(BATCH, 5)),
     "hf_conv1d_sequence": (lambda: Probe(_hf_conv1d(5, 6), 4 * 6), _floats(BATCH, 4, 5)),
     "hf_conv1d_sequence_kept": (lambda: Probe(_hf_conv1d(16, 16), 2 * 16), _floats(BATCH, 2, 16)),
+    "hf_conv1d_bias_only": (lambda: Probe(_hf_conv1d(5, 6, bias_only=True), 6), _floats(BATCH, 5)),
     "conv1d": (lambda: Probe(nn.Conv1d(2, 3, 3, padding=1), 3 * 6), _floats(BATCH, 2, 6)),
     "conv1d_reused": (lambda: Probe(nn.Conv1d(3, 3, 3, padding=1), 3 * 6, reuse=True), _floats(BATCH, 3, 6)),
     "conv2d": (lambda: Probe(nn.Conv2d(2, 4, 3, padding=1, stride=2), 4 * 3 * 3), _floats(BATCH, 2, 5, 5)),
@@ -82,6 +86,7 @@ CASES = {
     "conv1d_patches": (lambda: Probe(nn.Conv1d(2, 3, 3, stride=3), 3 * 2), _floats(BATCH, 2, 7)),
     "conv2d_patches_kept": (lambda: Probe(nn.Conv2d(4, 40, 4, stride=4), 40 * 2 * 2), _floats(BATCH, 4, 8, 8)),
     "embedding": (lambda: Probe(nn.Embedding(11, 4), 5 * 4), _tokens(BATCH, 5)),
+    "embedding_chunked": (lambda: Probe(nn.Embedding(11, 4), 700 * 4), _tokens(BATCH, 700)),  # bk: 2 examples a chunk
     "embedding_reused": (lambda: Probe(TwoEmbeddings(), 3 * 4), _tokens(BATCH, 6)),
     "layernorm_sequence": (lambda: Probe(nn.LayerNorm(5), 4 * 5), _floats(BATCH, 4, 5)),
     "layernorm_reused": (lambda: Probe(nn.LayerNorm(5), 4 * 5, reuse=True), _floats(BATCH, 4, 5)),
@@ -302,3 +307,25 @@ def test_layernorm_reads_the_forwards_own_statistics_and_forms_what_recomputing_
     assert rule.saved(ln.bfloat16(), half.detach(), ln.bfloat16()(half)) is None
     rms = nn.RMSNorm(6)
     assert rule.saved(rms, a.detach(), rms(a)) is None
+
+
+def test_groupnorm_reads_the_forwards_own_statistics_and_forms_what_recomputing_forms():
+    """The same for GroupNorm (the ResNet preset's): per (example, group) mean and 1/std from the forward, a
+    channels-last input included; another tensor's statistics and half precision are never read."""
+    from workbench.privacy.clipping.layers import GroupNormRule
+
+    rule, gn = GroupNormRule(), nn.GroupNorm(2, 4)
+    with torch.no_grad():
+        gn.weight.add_(0.3 * torch.randn(4))
+    for a in (_floats(BATCH, 4, 3, 3), _floats(BATCH, 4, 3, 3).to(memory_format=torch.channels_last)):
+        a = a.requires_grad_()
+        out = gn(a)
+        saved = rule.saved(gn, a.detach(), out)
+        assert saved is not None and saved[0].shape == (BATCH, 2)
+        g = torch.randn_like(out)
+        got, ref = rule.per_sample(gn, a.detach(), g, saved=saved), rule.per_sample(gn, a.detach(), g)
+        for name in ("weight", "bias"):
+            torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-6)
+        assert rule.saved(gn, a.detach().flip(0), out) is None
+    half = _floats(BATCH, 4, 3, 3).bfloat16().requires_grad_()
+    assert rule.saved(gn.bfloat16(), half.detach(), gn.bfloat16()(half)) is None

@@ -329,7 +329,7 @@ def test_a_token_embedding_tied_to_the_lm_head_is_clipped_exactly_on_bk(bias, le
     """nanoGPT, GPT-2, T5: one weight is both the token embedding and the output projection, so each example's
     gradient of it is the sum of both layers' (its norm has a cross term). auto takes bk, and the clipped sum equals
     the float64 loop's, with repeated ids, examples clipped and not (C = 0.05 and 50), the head's bias trainable or
-    absent (BERT's masked-LM head has one), positions looked up with ids (T,) or (1, T)."""
+    absent, positions looked up with ids (T,) or (1, T)."""
     def make():
         torch.manual_seed(0)
         return NanoGPT(bias=bias, lead=lead)
@@ -344,6 +344,25 @@ def test_a_token_embedding_tied_to_the_lm_head_is_clipped_exactly_on_bk(bias, le
         expected = clipped_sum(make(), rows(x, y), clip)
         assert expected.clipped == (9 if clip < 1 else 0)
         for p, e in zip(step.params, expected.grads):
+            torch.testing.assert_close(p.grad.double(), e, rtol=CLIPPED_RTOL, atol=1e-7)
+
+
+@pytest.mark.parametrize("lead", [False, True])
+def test_shared_position_ids_stay_per_example_when_a_later_batch_is_one_token_long(lead):
+    """The check reads how positions are looked up (ids (T,), or (1, T) whose 1 stands for the batch) once, at T = 6;
+    a later batch of T = 1 gives ids (1,) or (1, 1), and each example's copy must still receive its own gradient only
+    (ids (1,) taken for a batch of 1 would broadcast every example's gradient into every copy)."""
+    def make():
+        torch.manual_seed(0)
+        return NanoGPT(lead=lead)
+    torch.manual_seed(1)
+    step = GradientStep(make(), nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=0.05,
+                        noise_multiplier=0.0, grad_sample_mode="bk", max_physical_batch_size=8)
+    step.check((torch.randint(0, 11, (8, 6)), torch.randint(0, 3, (8,))))
+    for t in (1, 6):
+        x, y = torch.randint(0, 11, (5, t)), torch.tensor([0, 1, 2, 0, 1])
+        step((x, y), step=0)
+        for p, e in zip(step.params, clipped_sum(make(), rows(x, y), 0.05).grads):
             torch.testing.assert_close(p.grad.double(), e, rtol=CLIPPED_RTOL, atol=1e-7)
 
 

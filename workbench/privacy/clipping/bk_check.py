@@ -66,9 +66,12 @@ class PreRunCheck:
             follows = all(d > 0 and first == n for d, first in full) and \
                 (len(sizes) == 1 or less == {(d, n - 1) for d, _ in full})
             if follows:  # every call batch first (one or several ranks): per example, as bk always read them
-                out[m] = (False, None)
+                out[m] = (False, None, False)
             elif len(full) == 1 and len({d for d, _ in less}) <= 1:
-                out[m] = (True, next(iter(full))[0])
+                rank, first = next(iter(full))
+                # a leading 1 at both sizes on ids of rank >= 2 (arange(T).unsqueeze(0)) stands for the batch: decided
+                # here, once, never from one call's shape (ids (T,) with T = 1 are not a batch of 1)
+                out[m] = (True, rank, rank >= 2 and first == 1 and all(f == 1 for _, f in less))
             else:
                 raise WorkbenchError(f"grad_sample_mode=bk: layer {self.layer_names[m]!r} (Embedding) is called with ids "
                                      f"of several shapes {sorted(full)} in one forward, not all batch first; it cannot "

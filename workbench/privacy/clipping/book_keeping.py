@@ -176,7 +176,7 @@ class BookKeeping(PreRunCheck, Strategy):
         self.checked = False
         # nn.Embedding layers and their ids' rank, as the pre-run check saw them called: shared ids (True) or batch first
         self.embeddings = {m for m in self.hooked if isinstance(self.rules[m], EmbeddingRule)}
-        self.shared: dict[nn.Module, tuple[bool, int]] | None = None
+        self.shared: dict[nn.Module, tuple[bool, int, bool]] | None = None  # (shared, rank, leading 1 is the batch)
         self._anchor = torch.zeros((), requires_grad=True)  # the leaf the backward is asked for: only taps reach it
         self._expanded: list[str] = []  # what the last forward expanded per example: shared ids, raw parameters
         self._arrived: dict | None = None  # during a backward: layer -> [per-sample gradients or None, kept calls]
@@ -203,18 +203,17 @@ class BookKeeping(PreRunCheck, Strategy):
                 return None
             known = (self.shared or {}).get(m)
             if known is None:  # not seen by the check: ids whose first dimension is not the batch's
-                shared = ids.dim() == 0 or ids.shape[0] != n
-            elif known[0] and known[1] != ids.dim():
+                shared, lead = ids.dim() == 0 or ids.shape[0] != n, False
+            elif known[0] and (known[1] != ids.dim() or known[2] and ids.shape[0] != 1):
                 raise WorkbenchError(f"grad_sample_mode=bk: layer {self.layer_names[m]!r} (Embedding) got ids of shape "
-                                     f"{tuple(ids.shape)} for a batch of {n}, not of the rank the pre-run check saw")
+                                     f"{tuple(ids.shape)} for a batch of {n}, not of the shape the pre-run check saw")
             else:
-                shared = known[0]
+                shared, lead = known[0], known[2]
             if not shared:
                 return None
             expanded.append(m)
-            # a leading 1 (nanoGPT's arange(T).unsqueeze(0)) broadcast over the batch, as a raw parameter's is
-            one = ids.dim() > 0 and ids.shape[0] == 1
-            ids = ids.expand(n, *ids.shape[1:] if one else ids.shape).contiguous()
+            # lead: the check saw a leading 1 (nanoGPT's arange(T).unsqueeze(0)) standing for the batch
+            ids = ids.expand(n, *ids.shape[1:] if lead else ids.shape).contiguous()
             return ((ids, *args[1:]), kwargs) if args else (args, {**kwargs, "input": ids})
 
         def record(m, args, kwargs, out):

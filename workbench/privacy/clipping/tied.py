@@ -1,5 +1,6 @@
-"""Tied weights on book-keeping: an nn.Embedding and an nn.Linear that share one weight (V, d), as GPT-2, nanoGPT,
-T5 and BERT's masked-LM head tie the token embedding to the output projection.
+"""Tied weights on book-keeping: an nn.Embedding and an nn.Linear that share one weight (V, d), as GPT-2, nanoGPT
+and T5 tie the token embedding to the output projection (BERT's masked-LM head also shares its bias with a
+second module: refused, as any other sharing).
 
 Example i's gradient of the shared weight is the sum of both layers' gradients, E_i + L_i, so its squared norm is
 ||E_i||^2 + ||L_i||^2 + 2 <E_i, L_i>: per-layer norms would split it (and miss the cross term). Both are sums of rank-one
@@ -117,7 +118,9 @@ class TiedRule:
         m_l = gn.mul_(an.add_(math.sqrt(steps_l)) if bias else an)
         d, v = a.shape[2], g.shape[2]
         gram = math.sqrt(gamma(d + v + steps_e + 3 * (steps_e + steps_l) ** 2 + 4, U64))
-        err = (m_e * (gram + gamma(kernel_depth(batch, steps_e)))).add_(
+        # the embedding's entries are rounded again by each of the head's chunk results added after them
+        depth_e = kernel_depth(batch, steps_e) + math.ceil(batch / per_call(steps_l))
+        err = (m_e * (gram + gamma(depth_e))).add_(
             m_l * (gram + gamma(kernel_depth(batch, steps_l)) + (gamma(steps_l + 1) if bias else 0.0)))
         scale = (1 + max(u_rel, g_rel)) * (1 + a_rel) * (1 + 4 * U64)
         # subnormal rounding of the scaled values: the embedding's (as EmbeddingRule), the head's (as LinearRule)
