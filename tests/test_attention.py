@@ -289,7 +289,7 @@ def test_shared_position_ids_in_a_gpt_block_clip_exactly_in_book_keeping(padding
                         noise_multiplier=0.0, grad_sample_mode="auto", max_physical_batch_size=4)
     step.check((x[:8], y[:8]))
     assert step.mode == "bk" and step.mode_note == "grad_sample_mode=auto: bk", step.mode_note
-    assert step.clipper.shared == {model.pos: (True, 1), model.tok: (False, None)}
+    assert step.clipper.shared == {model.pos: (True, 1, False), model.tok: (False, None, False)}  # no leading 1
     expected = clipped_sum(model, rows(x, y), 0.1)
     assert expected.clipped >= 3  # the clip bites
     step((x, y), step=0)
