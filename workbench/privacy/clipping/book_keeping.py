@@ -3,8 +3,8 @@
 The forward keeps each trainable layer's input a; one backward computes the gradient g = dL/dz at each layer output z
 and no weight gradient. Each layer's rule (:mod:`workbench.privacy.clipping.layers`: Linear, Embedding, Conv1d/2d,
 LayerNorm/RMSNorm, GroupNorm, Hugging Face's Conv1D; biases and frozen parameters included) takes, per call, whichever
-route holds less memory: its per-sample gradients, formed as g arrives (a tap -- an identity autograd node -- on z hands g over during
-the backward, and a and g are let go), or (a, g) kept, the backward returning g. Then per-sample squared norms per
+route holds less memory: its per-sample gradients, formed as g arrives (a tap -- an identity autograd node -- on z
+hands g over during the backward, and a and g are let go), or (a, g) kept, the backward returning g. Then per-sample squared norms per
 layer, their sum over layers, the clip factors f_i, and sum_i f_i grad_i into the buffer. A layer called more than
 once (or on a sequence (B, T, d)) is exact: its calls are summed per example before norms. Two things cut the small
 ops a step costs (on a small ViT they weigh as much as the kernels): formed per-sample gradients of few entries per
@@ -20,8 +20,9 @@ seeing every use of a weight. :meth:`BookKeeping.check` verifies this on a real 
 
 Shared ids (learned positions looked up with ``torch.arange(T)``): an nn.Embedding called on ids without the batch
 dimension gives an output every example reads by broadcasting, and its batched output gradient is the sum over the
-examples. Book-keeping calls such a layer on the ids expanded to (B, *ids.shape) instead, a leading 1 taken as the
-batch's ((1, T) -> (B, T): nanoGPT's ``arange(T).unsqueeze(0)``) (a forward pre-hook, present only during its own forwards): the same rows, one copy per example, so the broadcast that follows is elementwise and
+examples. Book-keeping calls such a layer on the ids expanded to (B, *ids.shape) instead, or (B, T) for ids (1, T)
+whose 1 the pre-run check saw stand for the batch (nanoGPT's ``arange(T).unsqueeze(0)``) (a forward pre-hook, present
+only during its own forwards): the same rows, one copy per example, so the broadcast that follows is elementwise and
 every value downstream is the same, while each example's copy now receives that example's own output gradient, so the
 Embedding rule is exact on it. Which layers are called so is read once, by the pre-run check (ids whose first
 dimension is not the batch's); the check also requires the losses to be those of the model's own forward, so an
@@ -48,7 +49,7 @@ from workbench.privacy.clipping.bk_check import PreRunCheck, _input
 from workbench.privacy.clipping.bound import add_exact, clip_factors, exact_float32, materialised, zero_rows
 from workbench.privacy.clipping.layers import (RULES, EmbeddingRule, JoinedLinearRule, JoinedLinears, LinearRule,
                                                 _precise, rule_for, trainable, weighted_sum)
-from workbench.privacy.clipping.tied import TIED, TiedPair, tie, tied_pairs
+from workbench.privacy.clipping.tied import TiedPair, tie, tied_pairs
 from workbench.errors import WorkbenchError
 
 
@@ -170,7 +171,9 @@ class BookKeeping(PreRunCheck, Strategy):
         self.rules.update({h: RawRule() for h in self.raw})
         self.hooked = [m for m in self.layers if self.rules[m] is not None]
         # tied weights (an Embedding and a Linear sharing one): both layers always keep their calls, clipped as one
-        self.tied = {m: pair for e, lin in tied_pairs(self.layers)[0] for pair in [TiedPair(e, lin)] for m in (e, lin)}
+        self.tied: dict[nn.Module, TiedPair] = {}
+        for e, lin in tied_pairs(self.layers)[0]:
+            self.tied[e] = self.tied[lin] = TiedPair(e, lin)
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.layer_names = {m: n for n, m in model.named_modules()} | {h: h.full for h in self.raw}
         self.checked = False
@@ -357,8 +360,7 @@ class BookKeeping(PreRunCheck, Strategy):
                         view_of[k].add_(part.view(view_of[k].shape))
             for rule, m, calls, state in kept:
                 if rows is not None:  # both a and g: either may hold the inf
-                    zeroed = lambda cs: [(zero_rows(a, rows), zero_rows(g, rows)) for a, g in cs]  # noqa: E731
-                    state = rule.prepare(m, tuple(map(zeroed, calls)) if rule is TIED else zeroed(calls), n)
+                    state = rule.prepare(m, [(zero_rows(a, rows), zero_rows(g, rows)) for a, g in calls], n)
                 rule.add_clipped(m, state, factor, view_of)
         exact = [] if rows is None else [add_exact(self._exact_gradient(arrived, k), self.clip, view_of)
                                          for k in rows.nonzero().flatten().tolist()]

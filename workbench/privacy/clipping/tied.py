@@ -3,8 +3,8 @@ and T5 tie the token embedding to the output projection (BERT's masked-LM head a
 second module: refused, as any other sharing).
 
 Example i's gradient of the shared weight is the sum of both layers' gradients, E_i + L_i, so its squared norm is
-||E_i||^2 + ||L_i||^2 + 2 <E_i, L_i>: per-layer norms would split it (and miss the cross term). Both are sums of rank-one
-terms over positions: E_i = sum_t e_{x_t} u_t^T (the embedding's ids x_t, its output gradients u_t) and
+||E_i||^2 + ||L_i||^2 + 2 <E_i, L_i>: per-layer norms would split it (and miss the cross term). Both are sums of
+rank-one terms over positions: E_i = sum_t e_{x_t} u_t^T (the embedding's ids x_t, its output gradients u_t) and
 L_i = sum_s g_s a_s^T (the head's output gradients g_s over V, its inputs a_s), so the pair is one Linear over T + S
 positions whose "g" side is one-hot e_{x_t} or g_s and whose "a" side is u_t or a_s; its squared norm is the Gram sum
 sum_{p,p'} <A_p, A_p'> <G_p, G_p'>, taken here blockwise in float64 without forming a one-hot or an (n, V, d) tensor:
@@ -19,7 +19,8 @@ float32 inputs, and the sums run over at most 3 (T + S)^2 terms, each at most ||
 size, so the computed squared norm is within gamma64_D M^2 of the exact, D = d + V + T + 3 (T + S)^2 + 4 and
 M = M_E + M_L (M_E = sum_t ||u_t|| <= sqrt(T) ||u||_F, M_L = sum_s ||g_s|| ||a_s|| <= ||g||_F ||a||_F): its square root
 is within sqrt(gamma64_D) M of the exact norm. The two kernels add within gamma_K M_E and gamma_K' M_L of the exact
-E_i and L_i (K, K' their depths, as for each layer alone). A trainable bias on the head is a disjoint part: its
+E_i and L_i (K, K' their depths as for each layer alone, the embedding's plus the head's chunk results added after
+it into the same entries). A trainable bias on the head is a disjoint part: its
 per-example sums over S are float32 (within gamma_{S+1} sqrt(S) ||g||_F), squared as formed tensors are.
 """
 
@@ -72,7 +73,7 @@ def tie(kept: list, tied: dict) -> list:
             out.append(unit)
         elif pair not in done:
             done.add(pair)
-            out.append((TIED, pair, (calls_of[pair.embedding], calls_of[pair.linear])))
+            out.append((TIED, pair, calls_of[pair.embedding] + calls_of[pair.linear]))
     return out
 
 
@@ -84,11 +85,13 @@ class TiedPair:
 
 
 class TiedRule:
-    """Kept calls of both layers, ``calls = (embedding's, linear's)``; the norms of the module docstring."""
+    """Kept calls of both layers, one list (the embedding's told by their integer ids); the norms of the module
+    docstring."""
 
     @staticmethod
     def prepare(pair: TiedPair, calls, n: int):
-        emb, lin = calls
+        emb = [(a, g) for a, g in calls if not a.is_floating_point()]  # the embedding's ids; the head's a is floating
+        lin = [(a, g) for a, g in calls if a.is_floating_point()]
         return EmbeddingRule.prepare(pair.embedding, emb, n), LinearRule.prepare(pair.linear, lin, n)
 
     @staticmethod
