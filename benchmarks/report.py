@@ -90,7 +90,8 @@ def render(results: dict, mode: str, command: str, machine: dict, total_s: float
                   "loss, backward, SGD), `ours` (workbench's `GradientStep` with `grad_sample_mode=auto` + SGD, as "
                   "`Trainer.fit` steps), `opacus_ghost` (raw Opacus `make_private(grad_sample_mode=\"ghost\")` on "
                   "the same model and batches); full mode adds `gradient_step_twin` (`GradientStep` without clipping "
-                  "or noise). Peak memory: torch's CPU allocator peak during one step on the preset's first B "
+                  "or noise) and, on the MLP, `bare_dp` (a DP-SGD step written out by hand without the "
+                  "floating-point bound or any check: the floor, not private as written). Peak memory: torch's CPU allocator peak during one step on the preset's first B "
                   "examples, above what was live before it (torch.profiler memory trace; deterministic).", ""]
         for name, e in fig["presets"].items():
             batch = f"expected batch {e['batch']}" + (f" (the preset's is {e['preset_batch']}: capped in quick mode)"
@@ -275,6 +276,11 @@ def _notes(results: dict) -> list[str]:
                 parts.append(f"GradientStep's non-private twin (the same buffer, all-reduce and optimizer path, no "
                              f"clipping or noise) runs at {rows['gradient_step_twin']['throughput_vs_non_private']:.2f}x"
                              " of the plain loop, so that much of the gap is not clipping")
+            if "bare_dp" in rows:
+                parts.append(f"a bare DP-SGD step written out by hand (the same norms, factors, sums and noise, without "
+                             f"the floating-point bound's margins, checks or micro-batching: not private as written) "
+                             f"runs at {rows['bare_dp']['throughput_vs_non_private']:.2f}x, the floor of eager PyTorch "
+                             "for this step")
             if any("memory" in t["target"] for t in missed):
                 parts.append(f"peak step memory {rows['ours']['peak_memory_vs_non_private']:.2f}x: on top of the "
                              "non-private step's tensors bk holds each layer's input and output gradient until the "

@@ -11,6 +11,8 @@ drawn before timing), so sampling and loading are out of it.
 - ``opacus_ghost``: raw Opacus 1.6, ``PrivacyEngine().make_private(grad_sample_mode="ghost")`` on the same model,
   fed the same batches (its ``DPOptimizer`` adds the same sigma=1 noise, C=1), with the preset's criterion.
 - ``gradient_step_twin`` (full mode): ``GradientStep(max_grad_norm=None)`` (no clipping, no noise), for diagnosis.
+- ``bare_dp`` (full mode, models of Linear layers on rows: the MLP): the least a DP-SGD step can do in eager PyTorch,
+  written out by hand without the floating-point bound or any check (``bare_dp_step``): the floor, for diagnosis.
 
 Peak memory: the peak of bytes held by torch's CPU allocator during one step (a fixed batch: the preset's first
 B examples) above what was live before it, read from ``torch.profiler(profile_memory=True)``'s allocation trace
@@ -157,6 +159,52 @@ def opacus_ghost_step(model: nn.Module, criterion: nn.Module, population: int, b
     return step
 
 
+def bare_dp_step(model: nn.Module, criterion: nn.Module, expected_batch: int) -> Callable[[Any, int], None]:
+    """The least a DP-SGD step of a model made of nn.Linear layers on (batch, features) rows can do in eager PyTorch,
+    written out by hand: the layers' inputs captured by forward hooks, one backward to their outputs, each example's
+    squared norm (||a_i||^2 + 1) ||g_i||^2 summed over layers, min(1, C / norm) factors, the clipped sums as one addmm
+    and one addmv per layer, sigma C Gaussian noise from a per-step generator, divided by B, SGD. No floating-point
+    margins, checks, micro-batches or accounting: not private as written (its rounding is not bounded), only the floor
+    that shows how much of ``ours``' gap to the plain loop is that extra work. Raises on any other model."""
+    from workbench.data import as_batch
+    from workbench.losses import logits_of
+
+    params = _trainable(model)
+    layers = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    if not all(type(m) is nn.Linear and m.bias is not None for m in layers):
+        raise TypeError("the bare step takes nn.Linear layers with biases only")
+    flat = torch.zeros(sum(p.numel() for p in params))
+    views, start = {}, 0
+    for p in params:
+        views[p] = flat[start:start + p.numel()].view(p.shape)
+        start += p.numel()
+    opt = torch.optim.SGD(params, lr=LR)
+    noise = torch.empty_like(flat)
+
+    def step(raw, s):
+        b, seen = as_batch(raw), []
+        flat.zero_()
+        hooks = [m.register_forward_hook(lambda m, args, out: seen.append((m, args[0].detach(), out))) for m in layers]
+        try:
+            losses = criterion(logits_of(b.forward(model)), b.labels)
+        finally:
+            for h in hooks:
+                h.remove()
+        grads = torch.autograd.grad(losses.sum(), [out for _, _, out in seen])
+        n2 = sum(torch.linalg.vecdot(a, a).add_(1.0).mul_(torch.linalg.vecdot(g, g)) for (_, a, _), g in zip(seen, grads))
+        factor = n2.rsqrt_().mul_(CLIP).clamp_(max=1.0)
+        for (m, a, _), g in zip(seen, grads):
+            views[m.weight].addmm_(g.t(), a * factor.unsqueeze(1))
+            views[m.bias].addmv_(g.t(), factor)
+        gen = torch.Generator().manual_seed(s)
+        flat.add_(torch.randn(flat.numel(), generator=gen, out=noise).mul_(SIGMA * CLIP)).div_(expected_batch)
+        for p in params:
+            p.grad = views[p]
+        opt.step()
+
+    return step
+
+
 class Replay:
     """A step function fed with pre-drawn, collated batches, in turn; each call of ``block(n)`` runs n steps."""
 
@@ -206,6 +254,10 @@ def _preset_steps(p, s: Settings) -> dict[str, Any]:
     steps: dict[str, Any] = {"non_private": plain_step(p.model(), p.criterion(reduction="none"))}
     if s.mode == "full":
         steps["gradient_step_twin"] = workbench_step(p.model(), None, **as_run)
+        try:
+            steps["bare_dp"] = bare_dp_step(p.model(), p.criterion(reduction="none"), p.batch_size)
+        except TypeError:
+            pass  # a model with other layers: no hand-written floor for it
     steps["ours"] = workbench_step(p.model(), "auto", check_on=p.first_examples(8), **as_run)
     try:
         steps["opacus_ghost"] = opacus_ghost_step(p.model(), p.criterion(), len(p.dataset), p.batch_size)

@@ -82,6 +82,8 @@ def _stack_small(formed: list[tuple[int, torch.Tensor]], n: int) -> list[tuple[o
     weights, biases, raw parameters) stacked into one (n, P) tensor per dtype, keyed by their parameter ids in order:
     one norm reduction and one matrix-vector product for all, not a few small ops each. The stacked tensor is what is
     summed, so its materialised bound is the bound of what is added, as for any formed tensor."""
+    if not formed:
+        return formed
     small: dict[torch.dtype, list] = {}
     out = []
     for key, t in formed:

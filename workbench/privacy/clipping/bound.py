@@ -191,16 +191,15 @@ def clip_factors(parts: list[Bound], n: int, clip: float, buffer: torch.dtype,
         norm = n2.sqrt_()
         err = errs[0] if len(errs) == 1 else torch.stack(errs).sum(0)
         ill = err > norm * ILL_CONDITIONED
-        factor = norm.add_(err).reciprocal_().mul_(c)
+        factor = norm.add_(err).reciprocal_().mul_(c).masked_fill_(ill, 0.0)  # 0: below TINY_FACTOR, the float64 route
     else:
         factor = n2.rsqrt_().mul_(c)
     factor.clamp_(max=1.0)
-    ok = factor >= TINY_FACTOR  # False for NaN (an inf/NaN bound) and for factors float32 would scale inexactly
-    if errs:
-        ok &= ~ill
-    if bool(ok.all()):
+    # one reduction and one host read in the usual case: min is NaN where any factor is (an inf/NaN bound), and NaN
+    # compares False, as do factors float32 would scale inexactly
+    if not len(factor) or float(factor.min()) >= TINY_FACTOR:
         return factor.float() if factor.dtype != torch.float32 else factor, None
-    rows = ~ok
+    rows = ~(factor >= TINY_FACTOR)
     return factor.masked_fill_(rows, 0.0).float(), rows
 
 

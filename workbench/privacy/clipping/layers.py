@@ -40,9 +40,14 @@ def trainable(m: nn.Module) -> list[str]:
     return [name for name, p in m._parameters.items() if p is not None and p.requires_grad]  # no generator: per call
 
 
+_WIDE = (torch.float32, torch.float64)
+
+
 def _precise(t: torch.Tensor) -> torch.Tensor:
     """A layer input or output gradient in float32 at least (no-op in float32/64; integer ids kept)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32)) if t.is_floating_point() else t
+    if t.dtype in _WIDE or not t.is_floating_point():
+        return t
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def weighted_sum(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -262,8 +267,8 @@ class LinearRule:
     def add_clipped(self, m, state, factor, view_of):
         a, g = state
         names = trainable(m)
-        layers = getattr(m, "layers", (m,))  # JoinedLinears: each layer's own columns of the joined g
-        dtype = view_of[id(getattr(layers[0], names[0]))].dtype
+        layers = m.layers if type(m) is JoinedLinears else (m,)  # each joined layer's own columns of the joined g
+        dtype = view_of[id(layers[0]._parameters[names[0]])].dtype
         if a.dim() == 2 and a.dtype == g.dtype == dtype:  # one row per example, in the buffer's precision
             self._add_clipped_rows(m, names, a, g, factor, view_of)
             return
@@ -287,18 +292,20 @@ class LinearRule:
     def _add_clipped_rows(m, names, a, g, factor, view_of):
         """sum_i f_i g_i a_i^T with the factors on the narrower of a and g (fewer products), sum_i f_i g_i one
         matrix-vector product; a and g are left as they are (autograd may hand one g to two layers)."""
-        factor = factor.to(g.dtype)  # a float64 model's rows
-        c = per_call(1)
-        for s in range(0, len(a), c):  # one chunk unless more than KERNEL_ROWS examples
-            ac, gc, fc = (a, g, factor) if len(a) <= c else (a[s:s + c], g[s:s + c], factor[s:s + c])
-            f = fc.unsqueeze(1)
-            if "weight" in names:
+        if factor.dtype != g.dtype:  # a float64 model's rows
+            factor = factor.to(g.dtype)
+        n, c = a.shape[0], per_call(1)
+        weight = view_of[id(m._parameters["weight"])] if "weight" in names else None
+        bias = view_of[id(m._parameters["bias"])] if "bias" in names else None
+        for s in range(0, n, c):  # one chunk unless more than KERNEL_ROWS examples
+            ac, gc, fc = (a, g, factor) if n <= c else (a[s:s + c], g[s:s + c], factor[s:s + c])
+            if weight is not None:
                 if ac.shape[1] < gc.shape[1]:
-                    view_of[id(m.weight)].addmm_(gc.t(), ac * f)
+                    weight.addmm_(gc.t(), ac * fc.unsqueeze(1))
                 else:
-                    view_of[id(m.weight)].addmm_((gc * f).t(), ac)
-            if "bias" in names:
-                view_of[id(m.bias)].addmv_(gc.t(), fc)
+                    weight.addmm_((gc * fc.unsqueeze(1)).t(), ac)
+            if bias is not None:
+                bias.addmv_(gc.t(), fc)
 
     def sample(self, m, calls, k, absolute=False):
         a, g = (torch.cat([t[k].reshape(-1, t.shape[-1]) for t in ts], 0) for ts in zip(*calls))
