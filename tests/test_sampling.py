@@ -4,9 +4,11 @@ draws are checked against the laws the accountant charges for."""
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from workbench.errors import WorkbenchError
-from workbench.privacy.sampling import PoissonBatchSampler, step_generator, train_shard
+from workbench.privacy.sampling import PoissonBatchSampler, seed_sequence_64, step_generator, train_shard
 
 
 def test_poisson_sampler_rate_matches_q():
@@ -132,3 +134,20 @@ def test_global_shard_multiplicity_is_binomial_w_q():
     multiplicity = included.sum(0).ravel()  # one value per (step, example), independent
     expected = stats.binom.pmf(np.arange(world_size + 1), world_size, q_r) * len(multiplicity)
     assert stats.chisquare(np.bincount(multiplicity, minlength=world_size + 1), expected).pvalue > ALPHA
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 3), st.integers(0, 2**32 - 1), st.integers(0, 2**140)), min_size=1,
+                max_size=7))
+def test_the_seed_derivation_is_numpys_seed_sequence_bit_for_bit(entropy):
+    # every stream (batches, noise, secrets) is seeded this way: a resumed run, an older run's checkpoint and any
+    # independent check that recomputes the noise with numpy must all see the same seeds
+    state = np.random.SeedSequence(entropy).generate_state(2, dtype=np.uint32)
+    assert seed_sequence_64(entropy) == int(state[0]) << 32 | int(state[1])
+
+
+def test_a_negative_seed_is_refused_as_numpy_refuses_it():
+    with pytest.raises(ValueError):
+        np.random.SeedSequence([-1])
+    with pytest.raises(ValueError, match="non-negative"):
+        seed_sequence_64([5, -1])

