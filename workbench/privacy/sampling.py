@@ -62,8 +62,8 @@ _MASK = 0xFFFFFFFF
 def seed_sequence_64(entropy: list[int]) -> int:
     """``np.random.SeedSequence(entropy).generate_state(2, np.uint32)`` as one 64-bit integer, bit for bit (numpy's
     hash mixing of O'Neill's seed_seq, pool of 4 words; tests/test_sampling.py checks it against numpy), in plain
-    integer arithmetic: numpy's construction costs ~150 us a call when its code has left the caches between steps
-    (the noise and the sampler each derive one per step), this ~40 us."""
+    integer arithmetic: numpy's construction measured 150-220 us a call when its code has left the caches between
+    steps (the noise and the sampler each derive one per step), this about half that."""
     words = []
     for v in entropy:  # each non-negative integer as its little-endian 32-bit words (0: one word)
         if v < 0:
