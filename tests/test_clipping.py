@@ -1,6 +1,8 @@
 """Book-keeping (grad_sample_mode=bk) per layer type against the definition: a per-example autograd loop, each
 example's gradient clipped to C, summed. Sequences, reused layers, frozen parameters, LoRA adapters and bf16 included."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -453,6 +455,37 @@ def test_a_weight_used_outside_its_layer_is_refused_one_example_at_a_time(mode):
         step().check((x[:1], y[:1]))
     with pytest.raises(WorkbenchError, match=refused):
         step()((x, y), step=0)
+
+
+class _AliasedBias(nn.Module):
+    """A head that holds a second reference to its Linear's bias (as Hugging Face's BERT masked-LM head does) and, unlike
+    that head, also adds it itself: a path bk's Linear rule does not see."""
+
+    def __init__(self, twice: bool):
+        super().__init__()
+        self.lin, self.twice = nn.Linear(6, 3), twice
+        self.bias = self.lin.bias
+
+    def forward(self, x):
+        return self.lin(x) + self.bias if self.twice else self.lin(x)
+
+
+def test_a_second_reference_to_a_layers_bias_is_the_layers_unless_used_outside_it():
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+
+    def step(model, mode):
+        return GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=0.5,
+                            noise_multiplier=0.0, grad_sample_mode=mode)
+
+    model = _AliasedBias(twice=False)
+    expected = clipped_sum(copy.deepcopy(model), rows(x, y), 0.5).grads
+    alias = step(model, "bk")  # the head's reference alone: clipped by the Linear's rule
+    alias.check((x, y))
+    alias((x, y), step=0)
+    for p, e in zip(alias.params, expected):
+        torch.testing.assert_close(p.grad.double(), e, rtol=1e-4, atol=1e-6)
+    with pytest.raises(WorkbenchError, match="gradient of 'bias' is not its own"):
+        step(_AliasedBias(twice=True), "bk").check((x, y))  # used in the head's forward too: refused
 
 
 def test_a_layer_without_parameters_that_mixes_examples_is_refused_before_training():

@@ -119,6 +119,42 @@ def test_bert_classifier_clips_each_example_exactly(mode):
         torch.testing.assert_close(p.grad.double(), e, rtol=1e-4, atol=1e-6)
 
 
+def test_bert_masked_lm_trains_on_bk_with_its_head_tied_and_its_bias_shared():
+    """BERT's masked-LM head: the decoder's weight is the word embeddings' and its bias also hangs on the head module
+    (``self.decoder.bias = self.bias``): one Linear's bias, clipped by the tied pair's rule, against the per-example
+    loop."""
+    transformers = hf.load_transformers()
+    cfg = transformers.BertConfig(**{k: v for k, v in BERT.items() if k != "model_type"})
+
+    def make():
+        torch.manual_seed(0)
+        model = transformers.BertForMaskedLM(cfg)
+        model.bert.embeddings.position_embeddings.weight.requires_grad_(False)  # position ids are shared
+        return model
+
+    model = make()
+    head = model.cls.predictions
+    assert head.decoder.bias is head.bias and head.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    g = torch.Generator().manual_seed(1)
+    examples = []
+    for t in (5, 7, 9, 6):
+        ids = torch.randint(0, 64, (t,), generator=g)
+        labels = torch.full((t,), -100)
+        labels[:2] = ids[:2]
+        examples.append({"input_ids": ids, "attention_mask": torch.ones(t, dtype=torch.long), "labels": labels})
+    loss = TokenCrossEntropy(shift=False)
+    expected = clipped_sum(make(), examples, 0.1, lambda m, e: loss(
+        m(input_ids=e["input_ids"][None]).logits, e["labels"][None])[0]).grads
+    step = GradientStep(make(), loss, setup("gloo"), max_grad_norm=0.1, noise_multiplier=0.0, grad_sample_mode="auto",
+                        max_physical_batch_size=4)
+    raw = PadCollator()(examples)
+    step.check(raw)
+    assert step.mode == "bk", step.mode_note
+    step(raw, step=0)
+    for p, e in zip(step.params, expected):
+        torch.testing.assert_close(p.grad.double(), e, rtol=1e-4, atol=1e-6)
+
+
 def test_lm_lora_preset_logs_perplexity_and_keeps_the_adapter(make_cfg, mlflow_uri, tmp_path):
     from workbench import train
 

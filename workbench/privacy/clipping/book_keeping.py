@@ -101,7 +101,20 @@ def _stack_small(formed: list[tuple[int, torch.Tensor]], n: int) -> list[tuple[o
 
 
 def trainable_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    """The modules with trainable parameters of their own. A parameter that a module without a rule registers beside a
+    layer with a rule is the layer's: the module only holds a second reference (Hugging Face's BERT masked-LM head,
+    ``self.decoder.bias = self.bias``). Were it also used in that module's own forward, that path would be missing from
+    the per-example gradients, and the pre-run check, which compares each example's gradient with autograd's, refuses
+    the model."""
+    mods = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    ruled = _ruled_parameters(mods)
+    return [m for m in mods if rule_for(m)[0] is not None
+            or any(p.requires_grad and id(p) not in ruled for p in m.parameters(recurse=False))]
+
+
+def _ruled_parameters(mods: list[nn.Module]) -> set[int]:
+    """ids of the parameters that a layer with a rule registers."""
+    return {id(p) for m in mods if rule_for(m)[0] is not None for p in m.parameters(recurse=False)}
 
 
 def raw_owner(m: nn.Module) -> bool:
@@ -168,8 +181,9 @@ class BookKeeping(PreRunCheck, Strategy):
             raise WorkbenchError(f"grad_sample_mode=bk {why}: use grad_sample_mode=auto")
         self.rules = {m: rule_for(m)[0] for m in self.layers}
         names = {m: n for n, m in model.named_modules()}
+        ruled = _ruled_parameters(self.layers)  # a rule-less module's second reference to a layer's parameter
         self.raw = [_Raw(m, k, f"{names[m]}.{k}".lstrip(".")) for m in self.layers if self.rules[m] is None
-                    for k, p in m.named_parameters(recurse=False) if p.requires_grad]
+                    for k, p in m.named_parameters(recurse=False) if p.requires_grad and id(p) not in ruled]
         self.rules.update({h: RawRule() for h in self.raw})
         self.hooked = [m for m in self.layers if self.rules[m] is not None]
         # tied weights (an Embedding and a Linear sharing one): both layers always keep their calls, clipped as one
