@@ -9,7 +9,7 @@ layer, their sum over layers, the clip factors f_i, and sum_i f_i grad_i into th
 once (or on a sequence (B, T, d)) is exact: its calls are summed per example before norms. Two things cut the small
 ops a step costs (on a small ViT they weigh as much as the kernels): formed per-sample gradients of few entries per
 example (normalisation weights, biases, raw parameters) are stacked into one tensor, one norm reduction and one
-matrix-vector product for all (:func:`_stack_small`), and kept Linear sequences that read one and the same input
+matrix-vector product for all (``bound.stack_small``), and kept Linear sequences that read one and the same input
 tensor (self-attention's q, k and v projections) are joined into one Linear (``layers.JoinedLinears``: the input's
 norms, Gram matrices and scaled copy computed once). Each layer's route is decided once per per-example shape
 (:meth:`BookKeeping._keeps`), and a rule may read what the forward saved for autograd (LayerNorm's mean and 1/std,
@@ -46,7 +46,8 @@ from torch.autograd.graph import get_gradient_edge
 
 from workbench.privacy.clipping.base import LossFn, Strategy
 from workbench.privacy.clipping.bk_check import PreRunCheck, _input
-from workbench.privacy.clipping.bound import add_exact, clip_factors, exact_float32, materialised, zero_rows
+from workbench.privacy.clipping.bound import (add_exact, clip_factors, exact_float32, materialised, stack_small,
+                                               zero_rows)
 from workbench.privacy.clipping.layers import (RULES, EmbeddingRule, JoinedLinearRule, JoinedLinears, LinearRule,
                                                 _precise, rule_for, trainable, weighted_sum)
 from workbench.privacy.clipping.tied import TiedPair, tie, tied_pairs
@@ -74,30 +75,6 @@ class _Tap(torch.autograd.Function):
         return g, None, None
 
 
-SMALL = 1024  # formed per-sample gradients of at most this many entries per example are stacked (_stack_small)
-
-
-def _stack_small(formed: list[tuple[int, torch.Tensor]], n: int) -> list[tuple[object, torch.Tensor]]:
-    """Formed per-sample gradients (parameter id, (n, *shape)), those of few entries per example (normalisation
-    weights, biases, raw parameters) stacked into one (n, P) tensor per dtype, keyed by their parameter ids in order:
-    one norm reduction and one matrix-vector product for all, not a few small ops each. The stacked tensor is what is
-    summed, so its materialised bound is the bound of what is added, as for any formed tensor."""
-    if not formed:
-        return formed
-    small: dict[torch.dtype, list] = {}
-    out = []
-    for key, t in formed:
-        if t.numel() <= SMALL * max(1, n):
-            small.setdefault(t.dtype, []).append((key, t))
-        else:
-            out.append((key, t))
-    for group in small.values():
-        if len(group) == 1:
-            out += group
-        else:
-            flat = [t.reshape(n, t.numel() // max(1, n)) for _, t in group]  # (n,) a raw scalar's: (n, 1)
-            out.append((tuple(k for k, _ in group), torch.cat(flat, 1)))
-    return out
 
 
 def trainable_layers(model: nn.Module) -> list[nn.Module]:
@@ -355,7 +332,7 @@ class BookKeeping(PreRunCheck, Strategy):
                     formed += [(id(getattr(m, name)), t) for name, t in per_sample.items()]
                 elif calls:
                     kept.append((rule, m, calls))
-            formed = _stack_small(formed, n)
+            formed = stack_small(formed, n)
             kept = tie(kept, self.tied)
             parts += [materialised(t, bound_n) for _, t in formed]
             kept = self._join(kept)

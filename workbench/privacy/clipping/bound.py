@@ -160,6 +160,32 @@ def materialised(t: torch.Tensor, batch: int) -> Bound:
     return b._replace(rel=b.rel + gamma(batch + 2), slack=UNDERFLOW * math.sqrt(per_example))
 
 
+SMALL = 1024  # formed per-sample gradients of at most this many entries per example are stacked (stack_small)
+
+
+def stack_small(formed: list[tuple[int, torch.Tensor]], n: int) -> list[tuple[object, torch.Tensor]]:
+    """Formed per-sample gradients (parameter id, (n, *shape)), those of few entries per example (normalisation
+    weights, biases, raw parameters) stacked into one (n, P) tensor per dtype, keyed by their parameter ids in order:
+    one norm reduction and one matrix-vector product for all, not a few small ops each. The stacked tensor is what is
+    summed, so its materialised bound is the bound of what is added, as for any formed tensor."""
+    if not formed:
+        return formed
+    small: dict[torch.dtype, list] = {}
+    out = []
+    for key, t in formed:
+        if t.numel() <= SMALL * max(1, n):
+            small.setdefault(t.dtype, []).append((key, t))
+        else:
+            out.append((key, t))
+    for group in small.values():
+        if len(group) == 1:
+            out += group
+        else:
+            flat = [t.reshape(n, t.numel() // max(1, n)) for _, t in group]  # (n,) a raw scalar's: (n, 1)
+            out.append((tuple(k for k, _ in group), torch.cat(flat, 1)))
+    return out
+
+
 def clip_factors(parts: list[Bound], n: int, clip: float, buffer: torch.dtype,
                  device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The clip factors of n examples from their routes' bounds (consumed: the first part's ``n2`` is summed into),
