@@ -115,11 +115,19 @@ MUTANTS = (
            "strided layers add the wrong positions' inputs", "workbench/privacy/clipping/layers.py",
            "(st[0], *[k * s for k, s in zip(m.stride, st[1:1 + dims])], per,", "(st[0], *st[1:1 + dims], per,",
            ("tests/test_clipping.py::test_the_clipped_sum_by_patches_is_the_weight_gradient[config1]",)),
-    Mutant("conv-stash-by-patches-in-kernel-order", "the conv kept route adds per-sample gradients formed as "
-           "patches @ g as if their columns were in the weight's order: channels and kernel taps swapped",
-           "workbench/privacy/clipping/layers.py", "movedim(-1, 1) if state.by_patches", "movedim(-1, 1) if False",
+    Mutant("conv-stash-by-patches-in-kernel-order", "the conv kept route adds per-sample gradients formed tap-major "
+           "(by shifts or patches) as if their columns were in the weight's order: channels and kernel taps swapped",
+           "workbench/privacy/clipping/layers.py", "movedim(-1, 1) if state.tap_major", "movedim(-1, 1) if False",
            ("tests/test_clipping.py::test_kept_convolutions_summed_by_patches_match_the_per_example_loop"
             "[conv2d_kept]",)),
+    Mutant("conv-shifts-gradient-unspread", "the conv kept route's per-sample gradients by shifted input rows place "
+           "g contiguously, not at its positions' rows of the padded input: taps read the wrong input positions",
+           "workbench/privacy/clipping/layers.py",
+           "wide.as_strided((n, g.shape[1], *out), (g.shape[1] * q, q, *steps)).copy_(g)",
+           "wide[..., :math.prod(out)].copy_(g.flatten(2))",
+           ("tests/test_clipping.py::test_per_sample_gradients_by_shifts_and_by_patches_are_each_examples[config0]",
+            "tests/test_clipping.py::test_kept_convolutions_summed_by_patches_match_the_per_example_loop"
+            "[conv2d_kept]")),
     Mutant("fp-linear-seq-norm-without-kernel-error", "the Linear sequence kept route clips against the float32 "
            "per-sample norm, not the matmul's sum",
            "workbench/privacy/clipping/layers.py", "scale = (formed + gamma(kernel_depth(batch, steps)))",

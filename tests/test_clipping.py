@@ -336,6 +336,26 @@ def test_the_clipped_sum_by_patches_is_the_weight_gradient(config):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("config", [dict(dims=2, padding=1), dict(dims=2, padding=(2, 0), dilation=(2, 1),
+                                                                  kernel_size=(3, 2)),
+                                    dict(dims=1, dilation=2, padding=3), dict(dims=3, padding=1, kernel_size=(1, 3, 2)),
+                                    dict(dims=2, stride=2, padding=1), dict(dims=1, stride=3, dilation=2, padding=3)])
+def test_per_sample_gradients_by_shifts_and_by_patches_are_each_examples(config):
+    """ConvRule's per-sample weight gradients for kept calls' norms, in (kernel tap, channel) column order: by shifted
+    input rows against g spread among zeros (stride 1) and by patches (any stride), against each example's float64
+    autograd gradient, on paddings, dilations, uneven kernels and 1-3 spatial dimensions."""
+    dims = config.pop("dims")
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims](4, 6, **{"kernel_size": 3, **config}).double()
+    x = torch.randn(5, 4, *([7] * dims), dtype=torch.float64)
+    g = torch.randn_like(conv(x))
+    expected = torch.stack([torch.autograd.grad(conv(x[i:i + 1]), conv.weight, g[i:i + 1])[0] for i in range(len(x))])
+    rule = ConvRule()
+    routes = [rule._formed_by_patches] + ([rule._formed_by_shifts] if set(conv.stride) == {1} else [])
+    for form in routes:
+        got = form(conv, x.float(), conv.padding, g.float()).view(len(x), 6, *conv.kernel_size, 4).movedim(-1, 2)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("case", ["conv2d_kept_gram", "conv2d_kept", "conv2d_kept_unstashed",
                                   "conv2d_two_sizes_kept_gram", "conv1d_dilated_kept_gram_by_inputs"])
 def test_kept_convolutions_summed_by_patches_match_the_per_example_loop(case, monkeypatch):

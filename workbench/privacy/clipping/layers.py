@@ -406,7 +406,7 @@ class _ConvState(list):
     (``ConvRule.STASH_IF``), else None."""
 
     formed: list[torch.Tensor] | None = None
-    by_patches = False  # formed as patches @ g: columns in (kernel offset, channel) order
+    tap_major = False  # formed by shifts or patches: columns in (kernel offset, channel) order
 
 
 class ConvRule:
@@ -429,10 +429,10 @@ class ConvRule:
     PATCH_SUM_IF = 512  # the clipped sum by patches @ scaled g (one matmul per group) where the weight has at least
     # this many entries per (example, position) term it reduces over: oneDNN's weight-gradient kernel measured slower
     # there (weight / (n L) = 576 to 9216: 1.05x-4x the matmul's time with the patch copy), faster at 144 (0.6x)
-    PATCH_FORM_CHANNELS = 128  # kept calls' per-sample gradients for their norms formed as g_i @ U_i (a batched
-    # matmul on position-major patches) where an ungrouped layer has at least this many output channels (the matmul's
-    # rows), else by the grouped kernel: 128-channel 16x16 layers measured 1.3-1.7x faster so, 64-channel 32x32 ones
-    # 2x slower (a 64->128 strided layer alike)
+    PATCH_FORM_CHANNELS = 128  # kept calls' per-sample gradients for their norms formed as g_i @ U_i (at stride 1 a
+    # matmul per example and kernel tap on shifted input rows, else a batched matmul on patches) where an ungrouped
+    # layer has at least this many output channels (the matmul's rows), else by the grouped kernel: 128-channel 16x16
+    # layers measured 1.3-1.7x faster so (patches), 64-channel 32x32 ones 2x slower (a 64->128 strided layer alike)
     STASH_IF = 2.5  # kept calls whose norms come from formed per-sample gradients keep those for the clipped sum (one
     # matrix-vector product, not a second weight-gradient kernel) where they take at most this many times a and g:
     # formed after the backward, when the activations autograd saved are freed (ResNet-18's 128-channel 16x16 layers,
@@ -550,15 +550,22 @@ class ConvRule:
         u = torch.empty(windows.shape, dtype=dtype, device=x.device).copy_(windows)
         return u.view(len(x), m.groups, -1, math.prod(out))
 
+    @staticmethod
+    def _channels_last(x: torch.Tensor, padding, dtype: torch.dtype) -> torch.Tensor:
+        """(n, *padded spatial, C_in): the input copied channels-last, zero-padded by ``padding``, into ``dtype``."""
+        size = [s + 2 * q for s, q in zip(x.shape[2:], padding)]
+        xc = x.new_zeros((len(x), *size, x.shape[1]), dtype=dtype)
+        xc[(slice(None), *[slice(q, q + s) for q, s in zip(padding, x.shape[2:])])].copy_(x.movedim(1, -1))
+        return xc
+
     def _patch_rows(self, m, x: torch.Tensor, padding, dtype: torch.dtype) -> torch.Tensor:
         """(n L, groups, k * C_in/groups) patches, position-major (the rows of the clipped sum's matmul), each row in
         (kernel offset, channel) order: the input copied channels-last (zero-padded) into ``dtype``, then one strided
         copy whose innermost runs are whole channel vectors (the weight's channel-major order, copied with a stride
         for every kernel tap, measured 2-3x slower on ResNet-18's 4x4 layers)."""
         n, c, dims = len(x), x.shape[1], x.dim() - 2
-        size = [s + 2 * q for s, q in zip(x.shape[2:], padding)]
-        xc = x.new_zeros((n, *size, c), dtype=dtype)
-        xc[(slice(None), *[slice(q, q + s) for q, s in zip(padding, x.shape[2:])])].copy_(x.movedim(1, -1))
+        xc = self._channels_last(x, padding, dtype)
+        size = xc.shape[1:-1]
         out = [(s - d * (k - 1) - 1) // st + 1 for s, k, d, st in zip(size, m.kernel_size, m.dilation, m.stride)]
         st, per = xc.stride(), c // m.groups
         windows = xc.as_strided((n, *out, m.groups, *m.kernel_size, per),
@@ -572,6 +579,31 @@ class ConvRule:
         channel) order (the weight's is (channel, kernel offset)): one batched matmul over each example's L terms."""
         u = self._patch_rows(m, x, padding, g.dtype)
         return torch.bmm(g.flatten(2), u.view(len(x), -1, u.shape[-1]))
+
+    def _formed_by_shifts(self, m, x: torch.Tensor, padding, g: torch.Tensor) -> torch.Tensor:
+        """:meth:`_formed_by_patches` of a stride-1 layer (the same tensor) without patches: per example and kernel
+        tap one matmul g_i X_i, X_i a contiguous run of rows of the zero-padded input laid out channels-last and
+        flattened over positions. Output position o reads row q(o) + shift(tap), q(o) = sum_d o_d S_d (S_d the padded
+        input's position strides), so g is placed at q(o) in rows of zeros, Q = q(last) + 1 long: the rows between
+        (wrap-around positions) multiply exact zeros, which leave every partial sum as it was, so each entry sums the
+        same L products as by patches (bound.py: gamma_{L+1}). Measured 1.3-1.9x faster than patches @ g on
+        ResNet-18's 128-channel 16x16 layers (the patch copy, 9x the input, was up to half the time); slower at
+        stride 2, where the patches are 2.25x the input, not 9x."""
+        n, c = len(x), x.shape[1]
+        xc = self._channels_last(x, padding, g.dtype)
+        rows = xc.view(n, -1, c)
+        steps = [math.prod(xc.shape[2 + d:-1]) for d in range(x.dim() - 2)]
+        out = g.shape[2:]
+        q = sum((o - 1) * s for o, s in zip(out, steps)) + 1
+        wide = g.new_zeros(n, g.shape[1], q)
+        wide.as_strided((n, g.shape[1], *out), (g.shape[1] * q, q, *steps)).copy_(g)
+        shifts = [sum(d * t * s for d, t, s in zip(m.dilation, tap, steps))
+                  for tap in itertools.product(*[range(k) for k in m.kernel_size])]
+        w = g.new_empty(n, g.shape[1], len(shifts), c)
+        for i in range(n):  # a loop of mm measured 10% faster than a bmm per tap
+            for j, shift in enumerate(shifts):
+                torch.mm(wide[i], rows[i, shift:shift + q], out=w[i, :, j])
+        return w.view(n, g.shape[1], -1)
 
     def _sum_by_patches(self, m, x: torch.Tensor, padding, scaled: torch.Tensor) -> torch.Tensor:
         """sum_i sum_l scaled_il U_il^T: the weight-gradient kernel's sum as a matmul over the same n L terms, as a
@@ -631,7 +663,8 @@ class ConvRule:
                 step = max(1, min(self.CHUNK_ELEMENTS // m.weight.numel(), self.folded(m)))
                 if self.stashes(m, state):  # the clipped sum is then what the norms are of: rel + gamma_{batch+2}
                     state.formed = []
-                state.by_patches = m.groups == 1 and m.out_channels >= self.PATCH_FORM_CHANNELS
+                state.tap_major = m.groups == 1 and m.out_channels >= self.PATCH_FORM_CHANNELS
+                tap_major = self._formed_by_shifts if set(m.stride) == {1} else self._formed_by_patches
             for s in range(0, n, step):
                 chunk = [(x[s:s + step], padding, g[s:s + step]) for x, padding, g in state]
                 if by_inputs:
@@ -641,8 +674,8 @@ class ConvRule:
                     g = _cat([g.double().reshape(len(g), m.groups, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
                     n2[s:s + step] = (u.transpose(-1, -2) @ u).mul_(g.transpose(-1, -2) @ g).sum((1, 2, 3)).clamp_(min=0)
                 else:
-                    form = self._formed_by_patches if state.by_patches else functools.partial(self._weight_grad,
-                                                                                             examples=len(chunk[0][2]))
+                    form = tap_major if state.tap_major else functools.partial(self._weight_grad,
+                                                                               examples=len(chunk[0][2]))
                     w = form(m, *chunk[0]).view(len(chunk[0][2]), -1)  # L terms per entry either way
                     for x, padding, g in chunk[1:]:  # a reused layer: its calls' gradients add up (w is fresh)
                         w.add_(form(m, x, padding, g).view(len(g), -1))
@@ -668,7 +701,7 @@ class ConvRule:
             s = 0  # one product per chunk, each added: a term sees at most its chunk's adds + the chunks' <= n roundings
             for w in formed:
                 total = weighted_sum(w, factor[s:s + len(w)].to(w.dtype))
-                total = total.view(m.out_channels, *m.kernel_size, -1).movedim(-1, 1) if state.by_patches \
+                total = total.view(m.out_channels, *m.kernel_size, -1).movedim(-1, 1) if state.tap_major \
                     else total.view(m.weight.shape)
                 view_of[id(m.weight)].add_(total)
                 s += len(w)
