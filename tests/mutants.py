@@ -104,9 +104,15 @@ MUTANTS = (
             "inputs]")),
     Mutant("conv-gram-chunk-norms-misplaced", "the conv Gram route writes each chunk's norms to the first examples' "
            "rows: an example is clipped by another's norm", "workbench/privacy/clipping/layers.py",
-           "n2[s:s + step] = (u.transpose", "n2[:len(u)] = (u.transpose",
+           "n2[s:s + step] = (self._gram32", "n2[:len(chunk[0][2])] = (self._gram32",
            ("tests/test_clipping.py::test_conv_rule_in_chunks_of_examples_matches_the_per_example_loop"
             "[conv2d_kept_gram]",)),
+    Mutant("fp-conv-gram32-without-margin", "the conv Gram route from float32 Gram matrices takes their sum for the "
+           "squared norm, without the rounding margin: an example whose terms cancel is clipped against rounding",
+           "workbench/privacy/clipping/layers.py", "margin = gram32_margin(diagonal_norms(uu, p)",
+           "margin = 0 * gram32_margin(diagonal_norms(uu, p)",
+           ("tests/test_clipping.py::test_the_float32_gram_route_bounds_each_examples_squared_norm_from_above[True]",
+            "tests/test_clipping.py::test_the_float32_gram_route_bounds_each_examples_squared_norm_from_above[False]")),
     Mutant("conv-stash-chunks-misplaced", "the conv kept route scales each stashed chunk of per-sample gradients "
            "by the first examples' factors: an example is clipped by another's norm",
            "workbench/privacy/clipping/layers.py", "s += len(w)", "s += 0",

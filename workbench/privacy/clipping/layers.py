@@ -433,6 +433,9 @@ class ConvRule:
     # matmul per example and kernel tap on shifted input rows, else a batched matmul on patches) where an ungrouped
     # layer has at least this many output channels (the matmul's rows), else by the grouped kernel: 128-channel 16x16
     # layers measured 1.3-1.7x faster so (patches), 64-channel 32x32 ones 2x slower (a 64->128 strided layer alike)
+    TIGHT = 2.0 ** -6  # the float32 Gram route's margin accepted up to this share of the squared norm (an example
+    # clipped at most 0.8 % below C): the margin grows with C_in k (2304 at 256 channels), 0.3-1 % measured on
+    # ResNet-18's Gram layers, where LinearRule.TIGHT (2^-8) sent every example to float64 (1.4-1.8x slower)
     STASH_IF = 2.5  # kept calls whose norms come from formed per-sample gradients keep those for the clipped sum (one
     # matrix-vector product, not a second weight-gradient kernel) where they take at most this many times a and g:
     # formed after the backward, when the activations autograd saved are freed (ResNet-18's 128-channel 16x16 layers,
@@ -508,25 +511,63 @@ class ConvRule:
         lp = math.prod(size + 2 * q for size, q in zip(x.shape[2:], padding))
         return lp * lp < math.prod(m.kernel_size) * length * length
 
-    def _input_gram_norms(self, m, x: torch.Tensor, padding, g: torch.Tensor) -> torch.Tensor:
-        """(n,) float64 squared norms of one call's per-sample weight gradients sum_l g_l U_l^T, by the Gram trick
+    def _input_grams(self, m, x: torch.Tensor, padding, g: torch.Tensor, dtype: torch.dtype):
+        """One call's per-example Gram matrices of the patches, U^T U, and of g, (n, groups, L, L) each in ``dtype``,
         without patches: U_l^T U_l' = sum_k P[s l + d k, s l' + d k] over the kernel offsets k (stride s, dilation d),
         P = X^T X the Gram of the zero-padded input's positions, per group. The same products as the patches' Gram,
-        each entry summed over C_in / groups + k terms (bound: gamma64 of depth p + k + C_out + L^2 + 2)."""
+        each entry summed over C_in / groups + k terms."""
         if any(padding):
             x = F.pad(x, [q for p in reversed(padding) for q in (p, p)])
         n, spatial, out = len(x), tuple(x.shape[2:]), tuple(g.shape[2:])
-        xs = x.double().reshape(n, m.groups, -1, math.prod(spatial))
+        xs = x.to(dtype).reshape(n, m.groups, -1, math.prod(spatial))
         inputs = (xs.transpose(-1, -2) @ xs).view(n, m.groups, *spatial, *spatial)
-        gs = g.double().reshape(n, m.groups, -1, math.prod(out))
-        outputs = (gs.transpose(-1, -2) @ gs).view(n, m.groups, *out, *out)
+        gs = g.to(dtype).reshape(n, m.groups, -1, math.prod(out))
         patches = None  # U^T U, as (n, groups, *out, *out)
         for offset in itertools.product(*[range(k) for k in m.kernel_size]):
             rows = tuple(slice(o * d, o * d + (size - 1) * st + 1, st)
                          for o, d, size, st in zip(offset, m.dilation, out, m.stride))
             view = inputs[(slice(None), slice(None), *rows, *rows)]
             patches = view.clone() if patches is None else patches.add_(view)
+        length = math.prod(out)
+        return patches.view(n, m.groups, length, length), gs.transpose(-1, -2) @ gs
+
+    def _input_gram_norms(self, m, x: torch.Tensor, padding, g: torch.Tensor) -> torch.Tensor:
+        """(n,) float64 squared norms of one call's per-sample weight gradients sum_l g_l U_l^T, by the Gram trick
+        without patches (:meth:`_input_grams`; bound: gamma64 of depth p + k + C_out + L^2 + 2)."""
+        patches, outputs = self._input_grams(m, x, padding, g, torch.float64)
         return patches.mul_(outputs).flatten(1).sum(1).clamp_(min=0)
+
+    def _gram64_norms(self, m, chunk, by_inputs: bool) -> torch.Tensor:
+        """(n,) float64 squared norms of a chunk's per-sample weight gradients by the Gram trick in float64 (exact
+        copies of x and g), the calls joined along positions, or by the input positions' Gram (one call)."""
+        if by_inputs:
+            return self._input_gram_norms(m, *chunk[0])
+        u = _cat([self._patches_as(m, x, padding, torch.float64) for x, padding, _ in chunk], -1)
+        g = _cat([g.double().reshape(len(g), m.groups, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
+        return (u.transpose(-1, -2) @ u).mul_(g.transpose(-1, -2) @ g).sum((1, 2, 3)).clamp_(min=0)
+
+    def _gram32_norms(self, m, chunk, by_inputs: bool) -> torch.Tensor:
+        """:meth:`_gram64_norms` of an ungrouped float32 layer as upper bounds, from float32 Gram matrices (measured
+        1.5-3x faster on ResNet-18's 8x8 and strided layers). Each entry of U^T U is a float32 sum of p = C_in k
+        products (by inputs C_in + k - 1 <= p roundings deep), each of g^T g of C_out; so their products summed in
+        float64 are within :func:`~workbench.privacy.clipping.bound.gram32_margin` (d_in = p, d_out = C_out, position
+        norms from the diagonals) of the exact squared norm, and max(sum, 0) + margin bounds it. An example whose margin
+        is not within ``TIGHT`` of its sum (terms that cancel) is recomputed by the float64 route."""
+        if by_inputs:
+            uu, gg = self._input_grams(m, *chunk[0], torch.float32)
+        else:
+            u = _cat([self._patches_as(m, x, padding, torch.float32) for x, padding, _ in chunk], -1)
+            g = _cat([g.reshape(len(g), 1, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
+            uu, gg = u.transpose(-1, -2) @ u, g.transpose(-1, -2) @ g
+        uu, gg, p = uu[:, 0], gg[:, 0], m.in_channels * math.prod(m.kernel_size)
+        n2 = uu.double().mul_(gg.double()).sum((1, 2))
+        margin = gram32_margin(diagonal_norms(uu, p), diagonal_norms(gg, m.out_channels), p, m.out_channels)
+        bound = (n2.clamp(min=0) + margin).mul_(1.0 + 4 * U64)  # the two float64 roundings here, rounded up
+        loose = ~(margin <= self.TIGHT * n2)  # NaN (inf - inf) included
+        if bool(loose.any()):
+            rows = loose.nonzero().flatten()
+            bound[rows] = self._gram64_norms(m, [(x[rows], padding, g[rows]) for x, padding, g in chunk], by_inputs)
+        return bound
 
     def _patches(self, m, x: torch.Tensor, padding) -> torch.Tensor:
         """(n, C_in, *spatial) -> (n, groups, C_in/groups * k, L): unfold's channel-major order is the weight's."""
@@ -647,6 +688,7 @@ class ConvRule:
             magnitude = patches.mul_(gn).mul_((1 + g_rel) * (1 + 4 * U64))
             gram = self.use_gram(m, lengths)
             by_inputs = gram and len(state) == 1 and self.by_inputs(m, state[0][0], state[0][1], lengths)
+            float32 = m.groups == 1 and all(x.dtype == g.dtype == torch.float32 for x, _, g in state)
             p = m.in_channels // m.groups * math.prod(m.kernel_size)
             depth = p + (math.prod(m.kernel_size) if by_inputs else 0) + m.out_channels + lengths ** 2 + 2
             formed = math.sqrt(gamma(depth, U64)) if gram else gamma(lengths + 1)
@@ -667,12 +709,8 @@ class ConvRule:
                 tap_major = self._formed_by_shifts if set(m.stride) == {1} else self._formed_by_patches
             for s in range(0, n, step):
                 chunk = [(x[s:s + step], padding, g[s:s + step]) for x, padding, g in state]
-                if by_inputs:
-                    n2[s:s + step] = self._input_gram_norms(m, *chunk[0])
-                elif gram:  # the patches in float64 (exact: the same values), the calls joined along positions
-                    u = _cat([self._patches_as(m, x, padding, torch.float64) for x, padding, _ in chunk], -1)
-                    g = _cat([g.double().reshape(len(g), m.groups, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
-                    n2[s:s + step] = (u.transpose(-1, -2) @ u).mul_(g.transpose(-1, -2) @ g).sum((1, 2, 3)).clamp_(min=0)
+                if gram:
+                    n2[s:s + step] = (self._gram32_norms if float32 else self._gram64_norms)(m, chunk, by_inputs)
                 else:
                     form = tap_major if state.tap_major else functools.partial(self._weight_grad,
                                                                                examples=len(chunk[0][2]))
