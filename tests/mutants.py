@@ -104,9 +104,15 @@ MUTANTS = (
             "inputs]")),
     Mutant("conv-gram-chunk-norms-misplaced", "the conv Gram route writes each chunk's norms to the first examples' "
            "rows: an example is clipped by another's norm", "workbench/privacy/clipping/layers.py",
-           "n2[s:s + step] = (u.transpose", "n2[:len(u)] = (u.transpose",
+           "n2[s:s + step] = (self._gram32", "n2[:len(chunk[0][2])] = (self._gram32",
            ("tests/test_clipping.py::test_conv_rule_in_chunks_of_examples_matches_the_per_example_loop"
             "[conv2d_kept_gram]",)),
+    Mutant("fp-conv-gram32-without-margin", "the conv Gram route from float32 Gram matrices takes their sum for the "
+           "squared norm, without the rounding margin: an example whose terms cancel is clipped against rounding",
+           "workbench/privacy/clipping/layers.py", "margin = gram32_margin(diagonal_norms(uu, p)",
+           "margin = 0 * gram32_margin(diagonal_norms(uu, p)",
+           ("tests/test_clipping.py::test_the_float32_gram_route_bounds_each_examples_squared_norm_from_above[True]",
+            "tests/test_clipping.py::test_the_float32_gram_route_bounds_each_examples_squared_norm_from_above[False]")),
     Mutant("conv-stash-chunks-misplaced", "the conv kept route scales each stashed chunk of per-sample gradients "
            "by the first examples' factors: an example is clipped by another's norm",
            "workbench/privacy/clipping/layers.py", "s += len(w)", "s += 0",
@@ -115,11 +121,19 @@ MUTANTS = (
            "strided layers add the wrong positions' inputs", "workbench/privacy/clipping/layers.py",
            "(st[0], *[k * s for k, s in zip(m.stride, st[1:1 + dims])], per,", "(st[0], *st[1:1 + dims], per,",
            ("tests/test_clipping.py::test_the_clipped_sum_by_patches_is_the_weight_gradient[config1]",)),
-    Mutant("conv-stash-by-patches-in-kernel-order", "the conv kept route adds per-sample gradients formed as "
-           "patches @ g as if their columns were in the weight's order: channels and kernel taps swapped",
-           "workbench/privacy/clipping/layers.py", "movedim(-1, 1) if state.by_patches", "movedim(-1, 1) if False",
+    Mutant("conv-stash-by-patches-in-kernel-order", "the conv kept route adds per-sample gradients formed tap-major "
+           "(by shifts or patches) as if their columns were in the weight's order: channels and kernel taps swapped",
+           "workbench/privacy/clipping/layers.py", "movedim(-1, 1) if state.tap_major", "movedim(-1, 1) if False",
            ("tests/test_clipping.py::test_kept_convolutions_summed_by_patches_match_the_per_example_loop"
             "[conv2d_kept]",)),
+    Mutant("conv-shifts-gradient-unspread", "the conv kept route's per-sample gradients by shifted input rows place "
+           "g contiguously, not at its positions' rows of the padded input: taps read the wrong input positions",
+           "workbench/privacy/clipping/layers.py",
+           "wide.as_strided((n, g.shape[1], *out), (g.shape[1] * q, q, *steps)).copy_(g)",
+           "wide[..., :math.prod(out)].copy_(g.flatten(2))",
+           ("tests/test_clipping.py::test_per_sample_gradients_by_shifts_and_by_patches_are_each_examples[config0]",
+            "tests/test_clipping.py::test_kept_convolutions_summed_by_patches_match_the_per_example_loop"
+            "[conv2d_kept]")),
     Mutant("fp-linear-seq-norm-without-kernel-error", "the Linear sequence kept route clips against the float32 "
            "per-sample norm, not the matmul's sum",
            "workbench/privacy/clipping/layers.py", "scale = (formed + gamma(kernel_depth(batch, steps)))",

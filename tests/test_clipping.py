@@ -322,6 +322,26 @@ def test_the_input_gram_route_gives_each_examples_squared_norm(config):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("by_inputs", [True, False])
+def test_the_float32_gram_route_bounds_each_examples_squared_norm_from_above(by_inputs):
+    """ConvRule's Gram route from float32 Gram matrices (an ungrouped float32 layer) returns upper bounds on each
+    example's exact squared norm, also where its terms cancel across positions (inputs alike at every position, g
+    summing to 0 over them: float32 rounding alone is then most of the Gram sum); the margin-free sum falls below."""
+    conv = nn.Conv2d(16, 32, 3, padding=1)
+    gen = torch.Generator().manual_seed(11)
+    x = 300 + torch.randn(12, 16, 5, 5, generator=gen) * torch.logspace(-6, 0, 12).view(-1, 1, 1, 1)
+    g = torch.randn(12, 32, 5, 5, generator=gen)
+    g -= g.mean((2, 3), keepdim=True)
+    g[:4] = torch.randn(4, 32, 5, 5, generator=gen)  # and benign examples
+    x64, g64 = x.double(), g.double()
+    exact = torch.stack([torch.nn.grad.conv2d_weight(x64[i:i + 1], conv.weight.shape, g64[i:i + 1], padding=1)
+                         .square().sum() for i in range(len(x))])
+    got = ConvRule()._gram32_norms(conv, [(x, (1, 1), g)], by_inputs)
+    slack = 1e-12 * ConvRule()._patch_squares(conv, x, (1, 1)) * g64.square().flatten(1).sum(1)  # float64's rounding
+    assert bool((got >= exact - slack).all()), (got - exact) / exact
+    torch.testing.assert_close(got[:4], exact[:4], rtol=1e-3, atol=0)
+
+
 @pytest.mark.parametrize("config", [dict(dims=2, padding=1), dict(dims=2, stride=2, padding=2, dilation=2, groups=2),
                                     dict(dims=2, padding=(2, 0), dilation=(2, 1), kernel_size=(3, 2)),
                                     dict(dims=1, stride=2, padding=1, groups=2)])
@@ -336,6 +356,26 @@ def test_the_clipped_sum_by_patches_is_the_weight_gradient(config):
     expected = torch.autograd.grad(y, conv.weight, g)[0]
     got = ConvRule()._sum_by_patches(conv, x.float(), conv.padding, g.float())
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", [dict(dims=2, padding=1), dict(dims=2, padding=(2, 0), dilation=(2, 1),
+                                                                  kernel_size=(3, 2)),
+                                    dict(dims=1, dilation=2, padding=3), dict(dims=3, padding=1, kernel_size=(1, 3, 2)),
+                                    dict(dims=2, stride=2, padding=1), dict(dims=1, stride=3, dilation=2, padding=3)])
+def test_per_sample_gradients_by_shifts_and_by_patches_are_each_examples(config):
+    """ConvRule's per-sample weight gradients for kept calls' norms, in (kernel tap, channel) column order: by shifted
+    input rows against g spread among zeros (stride 1) and by patches (any stride), against each example's float64
+    autograd gradient, on paddings, dilations, uneven kernels and 1-3 spatial dimensions."""
+    dims = config.pop("dims")
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims](4, 6, **{"kernel_size": 3, **config}).double()
+    x = torch.randn(5, 4, *([7] * dims), dtype=torch.float64)
+    g = torch.randn_like(conv(x))
+    expected = torch.stack([torch.autograd.grad(conv(x[i:i + 1]), conv.weight, g[i:i + 1])[0] for i in range(len(x))])
+    rule = ConvRule()
+    routes = [rule._formed_by_patches] + ([rule._formed_by_shifts] if set(conv.stride) == {1} else [])
+    for form in routes:
+        got = form(conv, x.float(), conv.padding, g.float()).view(len(x), 6, *conv.kernel_size, 4).movedim(-1, 2)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["conv2d_kept_gram", "conv2d_kept", "conv2d_kept_unstashed",

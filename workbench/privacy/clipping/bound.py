@@ -21,12 +21,16 @@ The argument (u = 2^-24, float32's unit roundoff; gamma_k = k u / (1 - k u), the
    keep the per-sample gradients formed for their norms add one product per chunk of examples: a term is rounded by
    its chunk's product, then by each chunk's add, at most n + 1 times, within the same gamma_{n+2}). A kernel may be
    swapped for another that sums the same K products (a convolution's weight gradient as patches @ g, per example
-   or over the batch): the gamma_K argument is about the products summed, not the kernel. Gram routes (kept
-   convolutions, kept Linear sequences) compute n2 in float64 from the exact float64 copies of a and g, within
-   gamma64_D S_i^2 of the exact squared norm (D = d_in + d_out + T^2 + 2 roundings per term), so their norm is within
-   sqrt(gamma64_D) S_i of it: that margin is in ``err`` beside the kernel's. Kept Linear sequences take their Gram
-   matrices in float32 first (:func:`gram32_margin`: the sum within M_i of the exact squared norm, so max(sum, 0) + M_i
-   is an upper bound in ``n2``); an example whose M_i is not small beside its sum is recomputed by the float64 route.
+   or over the batch; per-sample ones as matmuls of g, spread among exact zeros, with shifted runs of input rows,
+   ``ConvRule._formed_by_shifts``: a product of an exact zero and a finite input is an exact zero and adding it
+   leaves a partial sum as it was, so every entry sums the same products; a non-finite input makes it NaN, a bound
+   that is not finite, hence the float64 route of 4.): the gamma_K argument is about the products summed, not the
+   kernel. Gram routes (kept convolutions, kept Linear sequences) compute n2 in float64 from the exact float64
+   copies of a and g, within gamma64_D S_i^2 of the exact squared norm (D = d_in + d_out + T^2 + 2 roundings per
+   term), so their norm is within sqrt(gamma64_D) S_i of it: that margin is in ``err`` beside the kernel's. Kept
+   Linear sequences take their Gram matrices in float32 first (:func:`gram32_margin`: the sum within M_i of the
+   exact squared norm, so max(sum, 0) + M_i is an upper bound in ``n2``); an example whose M_i is not small beside
+   its sum is recomputed by the float64 route.
 2. The parts are disjoint blocks of the example's vector, so B_i = (sqrt(sum n2 + sum floor) + sum err)(1 + max rel)
    bounds the norm of the unscaled vector added; :func:`clip_factors` derives f_i <= 1 with f_i B_i <= C - slack
    (the float32 factor, its product with g and the float32 sums and (r)sqrt of the bound are inside a 1 + 8u).

@@ -413,7 +413,7 @@ class _ConvState(list):
     (``ConvRule.STASH_IF``), else None."""
 
     formed: list[torch.Tensor] | None = None
-    by_patches = False  # formed as patches @ g: columns in (kernel offset, channel) order
+    tap_major = False  # formed by shifts or patches: columns in (kernel offset, channel) order
 
 
 class ConvRule:
@@ -436,10 +436,13 @@ class ConvRule:
     PATCH_SUM_IF = 512  # the clipped sum by patches @ scaled g (one matmul per group) where the weight has at least
     # this many entries per (example, position) term it reduces over: oneDNN's weight-gradient kernel measured slower
     # there (weight / (n L) = 576 to 9216: 1.05x-4x the matmul's time with the patch copy), faster at 144 (0.6x)
-    PATCH_FORM_CHANNELS = 128  # kept calls' per-sample gradients for their norms formed as g_i @ U_i (a batched
-    # matmul on position-major patches) where an ungrouped layer has at least this many output channels (the matmul's
-    # rows), else by the grouped kernel: 128-channel 16x16 layers measured 1.3-1.7x faster so, 64-channel 32x32 ones
-    # 2x slower (a 64->128 strided layer alike)
+    PATCH_FORM_CHANNELS = 128  # kept calls' per-sample gradients for their norms formed as g_i @ U_i (at stride 1 a
+    # matmul per example and kernel tap on shifted input rows, else a batched matmul on patches) where an ungrouped
+    # layer has at least this many output channels (the matmul's rows), else by the grouped kernel: 128-channel 16x16
+    # layers measured 1.3-1.7x faster so (patches), 64-channel 32x32 ones 2x slower (a 64->128 strided layer alike)
+    TIGHT = 2.0 ** -6  # the float32 Gram route's margin accepted up to this share of the squared norm (an example
+    # clipped at most 0.8 % below C): the margin grows with C_in k (2304 at 256 channels), 0.3-1 % measured on
+    # ResNet-18's Gram layers, where LinearRule.TIGHT (2^-8) sent every example to float64 (1.4-1.8x slower)
     STASH_IF = 2.5  # kept calls whose norms come from formed per-sample gradients keep those for the clipped sum (one
     # matrix-vector product, not a second weight-gradient kernel) where they take at most this many times a and g:
     # formed after the backward, when the activations autograd saved are freed (ResNet-18's 128-channel 16x16 layers,
@@ -515,25 +518,63 @@ class ConvRule:
         lp = math.prod(size + 2 * q for size, q in zip(x.shape[2:], padding))
         return lp * lp < math.prod(m.kernel_size) * length * length
 
-    def _input_gram_norms(self, m, x: torch.Tensor, padding, g: torch.Tensor) -> torch.Tensor:
-        """(n,) float64 squared norms of one call's per-sample weight gradients sum_l g_l U_l^T, by the Gram trick
+    def _input_grams(self, m, x: torch.Tensor, padding, g: torch.Tensor, dtype: torch.dtype):
+        """One call's per-example Gram matrices of the patches, U^T U, and of g, (n, groups, L, L) each in ``dtype``,
         without patches: U_l^T U_l' = sum_k P[s l + d k, s l' + d k] over the kernel offsets k (stride s, dilation d),
         P = X^T X the Gram of the zero-padded input's positions, per group. The same products as the patches' Gram,
-        each entry summed over C_in / groups + k terms (bound: gamma64 of depth p + k + C_out + L^2 + 2)."""
+        each entry summed over C_in / groups + k terms."""
         if any(padding):
             x = F.pad(x, [q for p in reversed(padding) for q in (p, p)])
         n, spatial, out = len(x), tuple(x.shape[2:]), tuple(g.shape[2:])
-        xs = x.double().reshape(n, m.groups, -1, math.prod(spatial))
+        xs = x.to(dtype).reshape(n, m.groups, -1, math.prod(spatial))
         inputs = (xs.transpose(-1, -2) @ xs).view(n, m.groups, *spatial, *spatial)
-        gs = g.double().reshape(n, m.groups, -1, math.prod(out))
-        outputs = (gs.transpose(-1, -2) @ gs).view(n, m.groups, *out, *out)
+        gs = g.to(dtype).reshape(n, m.groups, -1, math.prod(out))
         patches = None  # U^T U, as (n, groups, *out, *out)
         for offset in itertools.product(*[range(k) for k in m.kernel_size]):
             rows = tuple(slice(o * d, o * d + (size - 1) * st + 1, st)
                          for o, d, size, st in zip(offset, m.dilation, out, m.stride))
             view = inputs[(slice(None), slice(None), *rows, *rows)]
             patches = view.clone() if patches is None else patches.add_(view)
+        length = math.prod(out)
+        return patches.view(n, m.groups, length, length), gs.transpose(-1, -2) @ gs
+
+    def _input_gram_norms(self, m, x: torch.Tensor, padding, g: torch.Tensor) -> torch.Tensor:
+        """(n,) float64 squared norms of one call's per-sample weight gradients sum_l g_l U_l^T, by the Gram trick
+        without patches (:meth:`_input_grams`; bound: gamma64 of depth p + k + C_out + L^2 + 2)."""
+        patches, outputs = self._input_grams(m, x, padding, g, torch.float64)
         return patches.mul_(outputs).flatten(1).sum(1).clamp_(min=0)
+
+    def _gram64_norms(self, m, chunk, by_inputs: bool) -> torch.Tensor:
+        """(n,) float64 squared norms of a chunk's per-sample weight gradients by the Gram trick in float64 (exact
+        copies of x and g), the calls joined along positions, or by the input positions' Gram (one call)."""
+        if by_inputs:
+            return self._input_gram_norms(m, *chunk[0])
+        u = _cat([self._patches_as(m, x, padding, torch.float64) for x, padding, _ in chunk], -1)
+        g = _cat([g.double().reshape(len(g), m.groups, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
+        return (u.transpose(-1, -2) @ u).mul_(g.transpose(-1, -2) @ g).sum((1, 2, 3)).clamp_(min=0)
+
+    def _gram32_norms(self, m, chunk, by_inputs: bool) -> torch.Tensor:
+        """:meth:`_gram64_norms` of an ungrouped float32 layer as upper bounds, from float32 Gram matrices (measured
+        1.5-3x faster on ResNet-18's 8x8 and strided layers). Each entry of U^T U is a float32 sum of p = C_in k
+        products (by inputs C_in + k - 1 <= p roundings deep), each of g^T g of C_out; so their products summed in
+        float64 are within :func:`~workbench.privacy.clipping.bound.gram32_margin` (d_in = p, d_out = C_out, position
+        norms from the diagonals) of the exact squared norm, and max(sum, 0) + margin bounds it. An example whose margin
+        is not within ``TIGHT`` of its sum (terms that cancel) is recomputed by the float64 route."""
+        if by_inputs:
+            uu, gg = self._input_grams(m, *chunk[0], torch.float32)
+        else:
+            u = _cat([self._patches_as(m, x, padding, torch.float32) for x, padding, _ in chunk], -1)
+            g = _cat([g.reshape(len(g), 1, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
+            uu, gg = u.transpose(-1, -2) @ u, g.transpose(-1, -2) @ g
+        uu, gg, p = uu[:, 0], gg[:, 0], m.in_channels * math.prod(m.kernel_size)
+        n2 = uu.double().mul_(gg.double()).sum((1, 2))
+        margin = gram32_margin(diagonal_norms(uu, p), diagonal_norms(gg, m.out_channels), p, m.out_channels)
+        bound = (n2.clamp(min=0) + margin).mul_(1.0 + 4 * U64)  # the two float64 roundings here, rounded up
+        loose = ~(margin <= self.TIGHT * n2)  # NaN (inf - inf) included
+        if bool(loose.any()):
+            rows = loose.nonzero().flatten()
+            bound[rows] = self._gram64_norms(m, [(x[rows], padding, g[rows]) for x, padding, g in chunk], by_inputs)
+        return bound
 
     def _patches(self, m, x: torch.Tensor, padding) -> torch.Tensor:
         """(n, C_in, *spatial) -> (n, groups, C_in/groups * k, L): unfold's channel-major order is the weight's."""
@@ -557,15 +598,22 @@ class ConvRule:
         u = torch.empty(windows.shape, dtype=dtype, device=x.device).copy_(windows)
         return u.view(len(x), m.groups, -1, math.prod(out))
 
+    @staticmethod
+    def _channels_last(x: torch.Tensor, padding, dtype: torch.dtype) -> torch.Tensor:
+        """(n, *padded spatial, C_in): the input copied channels-last, zero-padded by ``padding``, into ``dtype``."""
+        size = [s + 2 * q for s, q in zip(x.shape[2:], padding)]
+        xc = x.new_zeros((len(x), *size, x.shape[1]), dtype=dtype)
+        xc[(slice(None), *[slice(q, q + s) for q, s in zip(padding, x.shape[2:])])].copy_(x.movedim(1, -1))
+        return xc
+
     def _patch_rows(self, m, x: torch.Tensor, padding, dtype: torch.dtype) -> torch.Tensor:
         """(n L, groups, k * C_in/groups) patches, position-major (the rows of the clipped sum's matmul), each row in
         (kernel offset, channel) order: the input copied channels-last (zero-padded) into ``dtype``, then one strided
         copy whose innermost runs are whole channel vectors (the weight's channel-major order, copied with a stride
         for every kernel tap, measured 2-3x slower on ResNet-18's 4x4 layers)."""
         n, c, dims = len(x), x.shape[1], x.dim() - 2
-        size = [s + 2 * q for s, q in zip(x.shape[2:], padding)]
-        xc = x.new_zeros((n, *size, c), dtype=dtype)
-        xc[(slice(None), *[slice(q, q + s) for q, s in zip(padding, x.shape[2:])])].copy_(x.movedim(1, -1))
+        xc = self._channels_last(x, padding, dtype)
+        size = xc.shape[1:-1]
         out = [(s - d * (k - 1) - 1) // st + 1 for s, k, d, st in zip(size, m.kernel_size, m.dilation, m.stride)]
         st, per = xc.stride(), c // m.groups
         windows = xc.as_strided((n, *out, m.groups, *m.kernel_size, per),
@@ -579,6 +627,31 @@ class ConvRule:
         channel) order (the weight's is (channel, kernel offset)): one batched matmul over each example's L terms."""
         u = self._patch_rows(m, x, padding, g.dtype)
         return torch.bmm(g.flatten(2), u.view(len(x), -1, u.shape[-1]))
+
+    def _formed_by_shifts(self, m, x: torch.Tensor, padding, g: torch.Tensor) -> torch.Tensor:
+        """:meth:`_formed_by_patches` of a stride-1 layer (the same tensor) without patches: per example and kernel
+        tap one matmul g_i X_i, X_i a contiguous run of rows of the zero-padded input laid out channels-last and
+        flattened over positions. Output position o reads row q(o) + shift(tap), q(o) = sum_d o_d S_d (S_d the padded
+        input's position strides), so g is placed at q(o) in rows of zeros, Q = q(last) + 1 long: the rows between
+        (wrap-around positions) multiply exact zeros, which leave every partial sum as it was, so each entry sums the
+        same L products as by patches (bound.py: gamma_{L+1}). Measured 1.3-1.9x faster than patches @ g on
+        ResNet-18's 128-channel 16x16 layers (the patch copy, 9x the input, was up to half the time); slower at
+        stride 2, where the patches are 2.25x the input, not 9x."""
+        n, c = len(x), x.shape[1]
+        xc = self._channels_last(x, padding, g.dtype)
+        rows = xc.view(n, -1, c)
+        steps = [math.prod(xc.shape[2 + d:-1]) for d in range(x.dim() - 2)]
+        out = g.shape[2:]
+        q = sum((o - 1) * s for o, s in zip(out, steps)) + 1
+        wide = g.new_zeros(n, g.shape[1], q)
+        wide.as_strided((n, g.shape[1], *out), (g.shape[1] * q, q, *steps)).copy_(g)
+        shifts = [sum(d * t * s for d, t, s in zip(m.dilation, tap, steps))
+                  for tap in itertools.product(*[range(k) for k in m.kernel_size])]
+        w = g.new_empty(n, g.shape[1], len(shifts), c)
+        for i in range(n):  # a loop of mm measured 10% faster than a bmm per tap
+            for j, shift in enumerate(shifts):
+                torch.mm(wide[i], rows[i, shift:shift + q], out=w[i, :, j])
+        return w.view(n, g.shape[1], -1)
 
     def _sum_by_patches(self, m, x: torch.Tensor, padding, scaled: torch.Tensor) -> torch.Tensor:
         """sum_i sum_l scaled_il U_il^T: the weight-gradient kernel's sum as a matmul over the same n L terms, as a
@@ -622,6 +695,7 @@ class ConvRule:
             magnitude = patches.mul_(gn).mul_((1 + g_rel) * (1 + 4 * U64))
             gram = self.use_gram(m, lengths)
             by_inputs = gram and len(state) == 1 and self.by_inputs(m, state[0][0], state[0][1], lengths)
+            float32 = m.groups == 1 and all(x.dtype == g.dtype == torch.float32 for x, _, g in state)
             p = m.in_channels // m.groups * math.prod(m.kernel_size)
             depth = p + (math.prod(m.kernel_size) if by_inputs else 0) + m.out_channels + lengths ** 2 + 2
             formed = math.sqrt(gamma(depth, U64)) if gram else gamma(lengths + 1)
@@ -638,18 +712,15 @@ class ConvRule:
                 step = max(1, min(self.CHUNK_ELEMENTS // m.weight.numel(), self.folded(m)))
                 if self.stashes(m, state):  # the clipped sum is then what the norms are of: rel + gamma_{batch+2}
                     state.formed = []
-                state.by_patches = m.groups == 1 and m.out_channels >= self.PATCH_FORM_CHANNELS
+                state.tap_major = m.groups == 1 and m.out_channels >= self.PATCH_FORM_CHANNELS
+                tap_major = self._formed_by_shifts if set(m.stride) == {1} else self._formed_by_patches
             for s in range(0, n, step):
                 chunk = [(x[s:s + step], padding, g[s:s + step]) for x, padding, g in state]
-                if by_inputs:
-                    n2[s:s + step] = self._input_gram_norms(m, *chunk[0])
-                elif gram:  # the patches in float64 (exact: the same values), the calls joined along positions
-                    u = _cat([self._patches_as(m, x, padding, torch.float64) for x, padding, _ in chunk], -1)
-                    g = _cat([g.double().reshape(len(g), m.groups, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
-                    n2[s:s + step] = (u.transpose(-1, -2) @ u).mul_(g.transpose(-1, -2) @ g).sum((1, 2, 3)).clamp_(min=0)
+                if gram:
+                    n2[s:s + step] = (self._gram32_norms if float32 else self._gram64_norms)(m, chunk, by_inputs)
                 else:
-                    form = self._formed_by_patches if state.by_patches else functools.partial(self._weight_grad,
-                                                                                             examples=len(chunk[0][2]))
+                    form = tap_major if state.tap_major else functools.partial(self._weight_grad,
+                                                                               examples=len(chunk[0][2]))
                     w = form(m, *chunk[0]).view(len(chunk[0][2]), -1)  # L terms per entry either way
                     for x, padding, g in chunk[1:]:  # a reused layer: its calls' gradients add up (w is fresh)
                         w.add_(form(m, x, padding, g).view(len(g), -1))
@@ -675,7 +746,7 @@ class ConvRule:
             s = 0  # one product per chunk, each added: a term sees at most its chunk's adds + the chunks' <= n roundings
             for w in formed:
                 total = weighted_sum(w, factor[s:s + len(w)].to(w.dtype))
-                total = total.view(m.out_channels, *m.kernel_size, -1).movedim(-1, 1) if state.by_patches \
+                total = total.view(m.out_channels, *m.kernel_size, -1).movedim(-1, 1) if state.tap_major \
                     else total.view(m.weight.shape)
                 view_of[id(m.weight)].add_(total)
                 s += len(w)
@@ -789,7 +860,8 @@ class LayerNormRule(Materialised):
 class GroupNormRule(Materialised):
     """nn.GroupNorm: per channel, weight gradient sum over positions of g * x_hat, bias gradient sum of g. x_hat is
     recomputed by group_norm (reading the forward's saved statistics instead measured 1.4-1.5x slower on ResNet-18's
-    shapes: two elementwise passes against group_norm's fused kernel)."""
+    shapes: two elementwise passes against group_norm's fused kernel), then multiplied by g in place (vecdot, which
+    allocates the products, measured 1.2-1.35x slower at 128-512 channels on 16x16 to 4x4)."""
 
     def per_sample(self, m, a, g, absolute=False):
         g32 = _abs(_precise(g), absolute)
@@ -797,7 +869,7 @@ class GroupNormRule(Materialised):
         out = {}
         if "weight" in names:
             x_hat = _abs(F.group_norm(_precise(a), m.num_groups, eps=m.eps), absolute)
-            out["weight"] = torch.linalg.vecdot(g32.flatten(2), x_hat.flatten(2)) if a.dim() > 2 else g32 * x_hat
+            out["weight"] = x_hat.mul_(g32).flatten(2).sum(2) if a.dim() > 2 else x_hat.mul_(g32)
         if "bias" in names:
             out["bias"] = g32.flatten(2).sum(2) if a.dim() > 2 else g32
         return out
