@@ -146,6 +146,13 @@ def test_the_seed_derivation_is_numpys_seed_sequence_bit_for_bit(entropy):
     assert seed_sequence_64(entropy) == int(state[0]) << 32 | int(state[1])
 
 
+def test_numpy_and_torch_integers_seed_as_the_python_integers_they_hold():
+    entropy = [2**63 + 5, 0, 7, 1]
+    expected = seed_sequence_64(entropy)
+    assert seed_sequence_64([np.uint64(2**63 + 5), np.int64(0), torch.tensor(7), 1]) == expected
+    assert isinstance(expected, int) and expected >= 0
+
+
 def test_a_negative_seed_is_refused_as_numpy_refuses_it():
     with pytest.raises(ValueError):
         np.random.SeedSequence([-1])

@@ -8,6 +8,7 @@ uninterrupted run would have drawn. The noise draws from the same family of stre
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -65,7 +66,8 @@ def seed_sequence_64(entropy: list[int]) -> int:
     integer arithmetic: numpy's construction measured 150-220 us a call when its code has left the caches between
     steps (the noise and the sampler each derive one per step), this about half that."""
     words = []
-    for v in entropy:  # each non-negative integer as its little-endian 32-bit words (0: one word)
+    for v in map(operator.index, entropy):  # each as a Python int (a numpy or torch integer too), then its
+        # little-endian 32-bit words (0: one word)
         if v < 0:
             raise ValueError(f"seed entropy must be non-negative, not {v}")
         words.append(v & _MASK)

@@ -162,6 +162,10 @@ class BookKeeping(PreRunCheck, Strategy):
         self.raw = [_Raw(m, k, f"{names[m]}.{k}".lstrip(".")) for m in self.layers if self.rules[m] is None
                     for k, p in m.named_parameters(recurse=False) if p.requires_grad and id(p) not in ruled]
         self.rules.update({h: RawRule() for h in self.raw})
+        # those second references: hidden from their modules during bk's forwards, so that a use of one outside the
+        # layer (which the layer's rule would not see) fails loudly instead of clipping a gradient that misses it
+        self.aliases = [(m, k) for m in model.modules() if rule_for(m)[0] is None
+                        for k, p in m._parameters.items() if p is not None and p.requires_grad and id(p) in ruled]
         self.hooked = [m for m in self.layers if self.rules[m] is not None]
         # tied weights (an Embedding and a Linear sharing one): both layers always keep their calls, clipped as one
         self.tied: dict[nn.Module, TiedPair] = {}
@@ -242,11 +246,18 @@ class BookKeeping(PreRunCheck, Strategy):
         # name: shared parameters are refused), not torch's general _reparametrize_module (~0.3 ms a step on vit)
         for h, z in raw.items():
             h.owner._parameters[h.name] = z
+        hidden = [(m, m._parameters) for m, _ in self.aliases]
+        for m, k in self.aliases:  # a new dict without the reference; the module's own, in its order, comes back after
+            m.__dict__["_parameters"] = {name: p for name, p in m._parameters.items() if name != k}
         try:
             losses = loss_fn(self.module, batch)
         except WorkbenchError:
             raise
         except Exception as e:
+            if hidden and isinstance(e, AttributeError):
+                where = ", ".join(f"{self.layer_names[m]}.{k}".lstrip(".") for m, k in self.aliases)
+                raise WorkbenchError(f"grad_sample_mode=bk: the model uses {where}, a second reference to a layer's "
+                                     f"parameter, outside that layer: bk cannot clip that use ({e})") from e
             if not expanded:
                 raise
             # an expansion the model's code cannot take (e.g. it reshapes the output): bk cannot clip it exactly
@@ -255,6 +266,8 @@ class BookKeeping(PreRunCheck, Strategy):
                                  f"{self.layer_names[expanded[0]]!r} to one copy per example: "
                                  f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from e
         finally:
+            for m, params in hidden:
+                m.__dict__["_parameters"] = params
             for h in raw:
                 h.owner._parameters[h.name] = h.weight
             for h in handles:
