@@ -73,6 +73,13 @@ MUTANTS = (
     Mutant("bk-norm-without-bias", "book-keeping leaves the bias out of each example's norm: under-clipped examples",
            "workbench/privacy/clipping/layers.py", "(1.0 if \"bias\" in names else 0.0)", "0.0",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear-bk]",)),
+    Mutant("bk-alias-not-hidden", "a rule-less module's second reference to a layer's parameter stays visible during "
+           "bk's forward: a use of it outside the layer, which the layer's rule does not see, is missing from the "
+           "clipped gradient", "workbench/privacy/clipping/book_keeping.py",
+           "            m.__dict__[\"_parameters\"] = {name: p for name, p in m._parameters.items() if name != k}",
+           "            pass",
+           ("tests/test_clipping.py::test_a_second_reference_to_a_layers_bias_is_the_layers_and_any_other_use_of_it_"
+            "is_refused",)),
     Mutant("bk-check-skips-one-example", "book-keeping's pre-run check compares nothing on one example: a weight "
            "used outside its layer trains with micro-batches of one",
            "workbench/privacy/clipping/bk_check.py", "        for k in range(n):", "        for k in range(n if n > 1 else 0):",
