@@ -27,6 +27,9 @@ The argument (u = 2^-24, float32's unit roundoff; gamma_k = k u / (1 - k u), the
    sqrt(gamma64_D) S_i of it: that margin is in ``err`` beside the kernel's. Kept Linear sequences take their Gram
    matrices in float32 first (:func:`gram32_margin`: the sum within M_i of the exact squared norm, so max(sum, 0) + M_i
    is an upper bound in ``n2``); an example whose M_i is not small beside its sum is recomputed by the float64 route.
+   Small Gram matrices are taken in float64 directly (``LinearRule._bound64``), the bias folded in as an input column
+   of 1s (a'_t = [a_t, 1]: one more term per dot product, D = d_in + 1 + d_out + T^2 + 2, S = sum_t ||g_t|| ||a'_t||,
+   which bounds the weight's and the bias's kernel error together: the bias's products are g_t 1).
 2. The parts are disjoint blocks of the example's vector, so B_i = (sqrt(sum n2 + sum floor) + sum err)(1 + max rel)
    bounds the norm of the unscaled vector added; :func:`clip_factors` derives f_i <= 1 with f_i B_i <= C - slack
    (the float32 factor, its product with g and the float32 sums and (r)sqrt of the bound are inside a 1 + 8u).

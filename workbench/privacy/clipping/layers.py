@@ -138,6 +138,10 @@ class LinearRule:
     # to 1.6x: 0.52x -> 0.66x of non-private CPU time); wider ratios stay kept (vit's, 3.3x: forming measured slower)
     TIGHT = 2.0 ** -8  # the float32 Gram's rounding margin accepted up to this share of the squared norm (<= 0.2 % on
     # the norm, as loose as the kernels' own margins); examples past it are recomputed in float64 (:meth:`_gram`)
+    GRAM64_IF = 2 ** 16  # Gram matrices of at most this many multiply-adds per example, T^2 (d_in + d_out), are taken
+    # in float64 with the bias folded in (:meth:`_bound64`): there per-matrix overhead, not the products, is the cost
+    # (vit's 32 -> 96 at T = 5: 3,200; a float64 bmm measured no slower than float32's), and the float32 route's margin,
+    # loose-example mask and separate bias sum are ~30 small ops a layer; MiniLM's 384x1536 at T = 128 (31M) stays float32
 
     @classmethod
     def keeps(cls, m, a, g) -> bool:
@@ -232,6 +236,8 @@ class LinearRule:
         # <= ||g||_F (||a||_F + sqrt(T)) by Cauchy-Schwarz (two passes, no per-position tensors)
         steps = a.shape[1]
         gram = "weight" in names and self.use_gram(a, g)
+        if gram and steps * steps * (a.shape[2] + g.shape[2]) <= self.GRAM64_IF:
+            return self._bound64(m, a, g, names, batch)
         formed = gamma(steps + 1)  # the bias's sum over T is formed in float32 on both routes
         in64 = None  # the examples whose Gram is float64's (their margin is err's, not n2's)
         if gram:
@@ -258,6 +264,31 @@ class LinearRule:
             err += magnitude.mul_(in64.to(magnitude.dtype)).mul_(g64 * (1 + g_rel) * (1 + a_rel) * (1 + 4 * U64))
         return Bound(n2, rel, err,
                      UNDERFLOW * steps * math.sqrt(sum(getattr(m, k).numel() for k in names)), floor)
+
+    @staticmethod
+    def _bound64(m, a: torch.Tensor, g: torch.Tensor, names: list[str], batch: int) -> Bound:
+        """The Gram route on small matrices, in float64 from exact copies of a (n, T, d_in) and g (n, T, d_out), the
+        bias folded into the weight: [W, b]'s input at position t is a'_t = [a_t, 1], so A' = A + 1 (each entry a
+        float64 dot product of length d_in + 1, the 1 added last) and ||[W, b]'s gradient||^2 = sum_{t,t'} A'_tt'
+        G_tt'. The T^2 products summed in float64 are within gamma64_D S^2 of the exact, D = d_in + 1 + d_out + T^2
+        + 2 (each entry's dot product, the product, the sum), S = sum_t ||g_t|| ||a'_t||, so the norm is within
+        sqrt(gamma64_D) S of it: in err beside the kernels' gamma_depth S (the bias's kernel sums g_t 1: the same
+        S covers both). S from the diagonals (each within gamma64_{d+1} of the squared norm, from below at most),
+        their product, square root and sum over T: rounded up by 1 + gamma64_{d_in + d_out + T + 8}. No float32
+        rounding reaches n2 (float32's squares cannot underflow or overflow in float64): rel and floor are 0."""
+        n, steps, d_in = a.shape
+        d_out = g.shape[2]
+        a64, g64 = a.double(), g.double()
+        ga, gg = a64 @ a64.mT, g64 @ g64.mT
+        if "bias" in names:
+            ga.add_(1.0)
+            d_in += 1
+        n2 = torch.linalg.vecdot(ga.view(n, -1), gg.view(n, -1)).clamp_(min=0)
+        s = ga.diagonal(dim1=1, dim2=2).mul(gg.diagonal(dim1=1, dim2=2)).sqrt_().sum(1)
+        up = 1.0 + gamma(d_in + d_out + steps + 8, U64)
+        scale = (gamma(kernel_depth(batch, steps)) + math.sqrt(gamma(d_in + d_out + steps * steps + 2, U64))) * up
+        return Bound(n2, err=s.mul_(scale * (1.0 + 2 * U64)),
+                     slack=UNDERFLOW * steps * math.sqrt(sum(getattr(m, k).numel() for k in names)))
 
     def add_clipped(self, m, state, factor, view_of):
         a, g = state
