@@ -300,19 +300,28 @@ class LinearRule:
             return
         c = per_call(_per_example(a) // a.shape[-1])
         narrow_a = a.shape[-1] < g.shape[-1]  # the factors scale the narrower of a and g: fewer products
+        columns = _columns(layers)
+        whole = len(columns) == 1  # one layer: its views directly, no column slices (a few us each on small layers)
         for s in range(0, len(a), c):  # out of place: autograd may hand one gradient tensor to two layers
-            gs, as_, fs = g[s:s + c], a[s:s + c], factor[s:s + c]
+            gs, as_, fs = (g, a, factor) if len(a) <= c else (g[s:s + c], a[s:s + c], factor[s:s + c])
             f = fs.view(-1, *[1] * (gs.dim() - 1))
             if "weight" in names:
                 left, right = (gs, as_ * f) if narrow_a else (gs * f, as_)
                 left, right = left.to(dtype).reshape(-1, gs.shape[-1]), right.to(dtype).reshape(-1, as_.shape[-1])
-                for layer, cols in _columns(layers):
-                    view_of[id(layer.weight)].addmm_(left[:, cols].t(), right)
+                if whole:
+                    view_of[id(layers[0].weight)].addmm_(left.t(), right)
+                else:
+                    for layer, cols in columns:
+                        view_of[id(layer.weight)].addmm_(left[:, cols].t(), right)
             if "bias" in names:  # sum_i f_i sum_t g_it: one matrix-vector product over the chunk's rows, one cast
                 rows = gs.reshape(-1, gs.shape[-1])
-                total = torch.mv(rows.t(), fs.to(rows.dtype).repeat_interleave(len(rows) // len(gs))).to(dtype)
-                for layer, cols in _columns(layers):
-                    view_of[id(layer.bias)].add_(total[cols])
+                scale = fs.to(rows.dtype).repeat_interleave(len(rows) // len(gs))
+                if whole and rows.dtype == dtype:  # into the buffer as _add_clipped_rows does: the same roundings
+                    view_of[id(layers[0].bias)].addmv_(rows.t(), scale)
+                    continue
+                total = torch.mv(rows.t(), scale).to(dtype)
+                for layer, cols in columns:
+                    view_of[id(layer.bias)].add_(total if whole else total[cols])
 
     @staticmethod
     def _add_clipped_rows(m, names, a, g, factor, view_of):
