@@ -163,6 +163,11 @@ MUTANTS = (
            "workbench/privacy/clipping/layers.py", "return Bound(n2, err=s.mul_(scale * (1.0 + 2 * U64)),",
            "return Bound(n2, err=s.mul_(0.0),",
            ("tests/test_layers.py::test_the_float64_gram_route_counts_the_float32_kernels_rounding",)),
+    Mutant("bk-linear-seq-bias-unscaled", "a kept Linear sequence's bias is summed into its buffer without the "
+           "clip factors: every clipped example's bias gradient is released whole",
+           "workbench/privacy/clipping/layers.py", "view_of[id(layers[0].bias)].addmv_(rows.t(), scale)",
+           "view_of[id(layers[0].bias)].addmv_(rows.t(), torch.ones_like(scale))",
+           ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear_sequence_gram-bk]",)),
     Mutant("bk-joins-linears-of-other-inputs", "book-keeping joins Linear layers whose inputs merely have one shape "
            "(out_proj with q, k, v): out_proj's gradient is formed from q's input, its examples clipped by a wrong norm",
            "workbench/privacy/clipping/book_keeping.py", "groups.setdefault((a.data_ptr(), a.shape,",
