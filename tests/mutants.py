@@ -163,6 +163,11 @@ MUTANTS = (
            "workbench/privacy/clipping/layers.py", "return Bound(n2, err=s.mul_(scale * (1.0 + 2 * U64)),",
            "return Bound(n2, err=s.mul_(0.0),",
            ("tests/test_layers.py::test_the_float64_gram_route_counts_the_float32_kernels_rounding",)),
+    Mutant("fp-linear-gram64-keeps-huge-entries", "the float64 Gram route keeps examples with entries past 2^64 in "
+           "the float32 kernel: a scaled value rounded to a subnormal then moves a product by more than the slack",
+           "workbench/privacy/clipping/layers.py", "n2.masked_fill_(big, math.inf)",
+           "n2.masked_fill_(big & False, math.inf)",
+           ("tests/test_layers.py::test_the_float64_gram_route_of_small_matrices_bounds_weight_and_bias_together",)),
     Mutant("bk-linear-seq-bias-unscaled", "a kept Linear sequence's bias is summed into its buffer without the "
            "clip factors: every clipped example's bias gradient is released whole",
            "workbench/privacy/clipping/layers.py", "view_of[id(layers[0].bias)].addmv_(rows.t(), scale)",

@@ -216,6 +216,12 @@ def test_the_float64_gram_route_of_small_matrices_bounds_weight_and_bias_togethe
         assert bool((b.err >= s * (math.sqrt(gamma(d, U64)) + gamma(kernel_depth(64, t)))).all())
         assert bool(((b.n2.sqrt() - exact).abs() <= s * math.sqrt(gamma(d, U64))).all()), (b.n2.sqrt() - exact)
         assert bool((b.err <= s * (gamma(64 * t + 2 + math.ceil(64 / (KERNEL_ROWS // t))) + 2e-7)).all())  # tight
+    # an entry past 2^64 (a squared norm float32 could not hold): that example takes the float64 route (n2 = inf)
+    for side in (a, g):
+        huge = side.clone()
+        huge[3, 1, 2] = 2.0 ** 65
+        n2 = LinearRule().bound(nn.Linear(d_in, d_out), (huge, g) if side is a else (a, huge), len(a), 64).n2
+        assert math.isinf(n2[3]) and bool(n2[[0, 1, 2, 4]].isfinite().all())
 
 
 def test_the_float64_gram_route_counts_the_float32_kernels_rounding():

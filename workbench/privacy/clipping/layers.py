@@ -275,7 +275,9 @@ class LinearRule:
         sqrt(gamma64_D) S of it: in err beside the kernels' gamma_depth S (the bias's kernel sums g_t 1: the same
         S covers both). S from the diagonals (each within gamma64_{d+1} of the squared norm, from below at most),
         their product, square root and sum over T: rounded up by 1 + gamma64_{d_in + d_out + T + 8}. No float32
-        rounding reaches n2 (float32's squares cannot underflow or overflow in float64): rel and floor are 0."""
+        rounding reaches n2 (float32's squares cannot underflow or overflow in float64): rel and floor are 0. An entry
+        past 2^64 would not make these squares inf as float32's do, so such examples get n2 = inf here (the float64
+        route), as on the other routes."""
         n, steps, d_in = a.shape
         d_out = g.shape[2]
         a64, g64 = a.double(), g.double()
@@ -284,6 +286,10 @@ class LinearRule:
             ga.add_(1.0)
             d_in += 1
         n2 = torch.linalg.vecdot(ga.view(n, -1), gg.view(n, -1)).clamp_(min=0)
+        # bound.py's underflow argument needs every unscaled kernel operand below 2^64 (the float32 squares of the
+        # other routes are inf past it): an example with a squared position norm past 2^127 takes the float64 route
+        big = torch.maximum(ga.diagonal(dim1=1, dim2=2).amax(1), gg.diagonal(dim1=1, dim2=2).amax(1)) >= 2.0 ** 127
+        n2.masked_fill_(big, math.inf)
         s = ga.diagonal(dim1=1, dim2=2).mul(gg.diagonal(dim1=1, dim2=2)).sqrt_().sum(1)
         up = 1.0 + gamma(d_in + d_out + steps + 8, U64)
         scale = (gamma(kernel_depth(batch, steps)) + math.sqrt(gamma(d_in + d_out + steps * steps + 2, U64))) * up
