@@ -168,6 +168,32 @@ MUTANTS = (
            "bound = n2.clamp(min=0).mul_(1.0 + 4 * U64)",
            ("tests/test_layers.py::test_the_float32_gram_bound_holds_and_falls_back_to_float64_where_it_is_loose",
             "tests/test_layers.py::test_the_linear_gram_route_is_taken_where_it_costs_fewer_flops")),
+    Mutant("bk-linear-gram64-drops-bias", "the float64 Gram route of small matrices leaves the bias out of the "
+           "folded input (a'_t = [a_t, 0], not [a_t, 1]): each example's norm misses its bias gradient",
+           "workbench/privacy/clipping/layers.py", "            ga.add_(1.0)\n            d_in += 1",
+           "            ga.add_(0.0)\n            d_in += 1",
+           ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear_sequence_gram-bk]",
+            "tests/test_layers.py::test_the_float64_gram_route_of_small_matrices_bounds_weight_and_bias_together")),
+    Mutant("fp-linear-gram64-without-kernel-error", "the float64 Gram route clips against its float64 norm and its "
+           "own margin, not the float32 kernel's rounding of what it sums",
+           "workbench/privacy/clipping/layers.py", "scale = (gamma(kernel_depth(batch, steps)) + math.sqrt(",
+           "scale = (0 * gamma(kernel_depth(batch, steps)) + math.sqrt(",
+           ("tests/test_layers.py::test_the_float64_gram_route_of_small_matrices_bounds_weight_and_bias_together",)),
+    Mutant("fp-linear-gram64-without-err", "the float64 Gram route returns no error term: an example whose positions "
+           "cancel has a Gram norm near 0 and its float32 kernel's rounding is released unclipped (~170 C)",
+           "workbench/privacy/clipping/layers.py", "return Bound(n2, err=s.mul_(scale * (1.0 + 2 * U64)),",
+           "return Bound(n2, err=s.mul_(0.0),",
+           ("tests/test_layers.py::test_the_float64_gram_route_counts_the_float32_kernels_rounding",)),
+    Mutant("fp-linear-gram64-keeps-huge-entries", "the float64 Gram route keeps examples with entries past 2^64 in "
+           "the float32 kernel: a scaled value rounded to a subnormal then moves a product by more than the slack",
+           "workbench/privacy/clipping/layers.py", "n2.masked_fill_(big, math.inf)",
+           "n2.masked_fill_(big & False, math.inf)",
+           ("tests/test_layers.py::test_the_float64_gram_route_of_small_matrices_bounds_weight_and_bias_together",)),
+    Mutant("bk-linear-seq-bias-unscaled", "a kept Linear sequence's bias is summed into its buffer without the "
+           "clip factors: every clipped example's bias gradient is released whole",
+           "workbench/privacy/clipping/layers.py", "view_of[id(layers[0].bias)].addmv_(rows.t(), scale)",
+           "view_of[id(layers[0].bias)].addmv_(rows.t(), torch.ones_like(scale))",
+           ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear_sequence_gram-bk]",)),
     Mutant("bk-joins-linears-of-other-inputs", "book-keeping joins Linear layers whose inputs merely have one shape "
            "(out_proj with q, k, v): out_proj's gradient is formed from q's input, its examples clipped by a wrong norm",
            "workbench/privacy/clipping/book_keeping.py", "groups.setdefault((a.data_ptr(), a.shape,",

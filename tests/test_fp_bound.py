@@ -257,18 +257,23 @@ def _embedding_cancelling(model: EmbeddingProbe, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", ["conv1x1_kept", "patch_embedding", "patch_formed", "conv3x3_kept_gram_by_inputs",
                                   "conv3x3_kept_stashed", "linear_seq_kept", "linear_seq_kept_formed", "linear_seq_gram",
-                                  "embedding", "tied", "hf_conv1d_seq"])
+                                  "linear_seq_gram32", "embedding", "tied", "hf_conv1d_seq"])
 def test_inputs_that_cancel_across_positions_are_released_within_the_clip(name, monkeypatch):
     """The issue's cases: one example whose terms cancel across positions (a 1x1 convolution and a patch embedding on
     the kept/Gram route, a Linear on sequences, an Embedding whose repeated rows cancel). Its exact gradient is near 0,
     its float32 kernel sum is rounding error hundreds of times C (17,000 C measured before the bound); the bound
     counts that error, so it is released within C. ``linear_seq_kept_formed``: the kept Linear with formed norms (the
-    route the cost rule leaves to layers called many times), where nothing but the kernel's margin can catch it."""
-    if name == "linear_seq_kept_formed":
-        from workbench.privacy.clipping.layers import LinearRule
+    route the cost rule leaves to layers called many times), where nothing but the kernel's margin can catch it.
+    ``linear_seq_gram`` takes the float64 Gram route of small matrices (bias folded in), ``linear_seq_gram32`` the
+    float32 one of large matrices (LinearRule.GRAM64_IF = 0)."""
+    from workbench.privacy.clipping.layers import LinearRule
 
+    if name == "linear_seq_kept_formed":
         monkeypatch.setattr(LinearRule, "GRAM_COST", math.inf)
         name = "linear_seq_kept"
+    if name == "linear_seq_gram32":
+        monkeypatch.setattr(LinearRule, "GRAM64_IF", 0)
+        name = "linear_seq_gram"
     assert _worst_cancelling(name) <= CLIP * (1 + RHO)
 
 

@@ -192,6 +192,66 @@ def test_the_float32_gram_bound_holds_and_falls_back_to_float64_where_it_is_loos
     assert bool(((n2[in64].sqrt() - exact[in64].sqrt()).abs() <= margin).all())
 
 
+def test_the_float64_gram_route_of_small_matrices_bounds_weight_and_bias_together():
+    """Small Gram matrices (T^2 (d_in + d_out) <= LinearRule.GRAM64_IF: vit's layers) are taken in float64 with the
+    bias folded in (a'_t = [a_t, 1]): the norm of [W, b]'s per-sample gradient, formed independently in float64, is
+    within sqrt(gamma64_D) S of sqrt(n2) (that margin is in err, with the kernel's), on plain inputs and crafted ones
+    (positions that cancel, one huge coordinate, subnormal values); without a bias, the weight's alone."""
+    from workbench.privacy.clipping.bound import U64, gamma
+    from workbench.privacy.clipping.layers import KERNEL_ROWS, LinearRule, kernel_depth
+
+    gen = torch.Generator().manual_seed(6)
+    t, d_in, d_out = 5, 32, 96
+    assert t * t * (d_in + d_out) <= LinearRule.GRAM64_IF
+    a, g = torch.randn(12, t, d_in, generator=gen), torch.randn(12, t, d_out, generator=gen)
+    a[8, 1] = -a[8, 0] + 2.0 ** -12 * torch.randn(d_in, generator=gen)
+    g[8, 1] = g[8, 0]
+    a[9, 2, 3] = 2.0 ** 40
+    a[10] *= 2.0 ** -70
+    g[10] *= 2.0 ** -70
+    for bias in (True, False):
+        m = nn.Linear(d_in, d_out, bias=bias)
+        b = LinearRule().bound(m, (a, g), len(a), 64)
+        weight = torch.einsum("nto,nti->noi", g.double(), a.double()).square().sum((1, 2))
+        exact = (weight + (g.double().sum(1).square().sum(1) if bias else 0)).sqrt()
+        assert b.n2.dtype == torch.float64 and b.rel == 0.0 and b.floor == 0.0
+        s = (a.double().square().sum(2) + bias).sqrt().mul(g.double().norm(dim=2)).sum(1)  # S with a' = [a, 1]
+        d = d_in + bias + d_out + t * t + 2
+        # err holds its own margin and the float32 kernel's worst case (gamma_K S: the clipped sum's matmul)
+        assert bool((b.err >= s * (math.sqrt(gamma(d, U64)) + gamma(kernel_depth(64, t)))).all())
+        assert bool(((b.n2.sqrt() - exact).abs() <= s * math.sqrt(gamma(d, U64))).all()), (b.n2.sqrt() - exact)
+        assert bool((b.err <= s * (gamma(64 * t + 2 + math.ceil(64 / (KERNEL_ROWS // t))) + 2e-7)).all())  # tight
+    # an entry past 2^64 (a squared norm float32 could not hold): that example takes the float64 route (n2 = inf)
+    for side in (a, g):
+        huge = side.clone()
+        huge[3, 1, 2] = 2.0 ** 65
+        n2 = LinearRule().bound(nn.Linear(d_in, d_out), (huge, g) if side is a else (a, huge), len(a), 64).n2
+        assert math.isinf(n2[3]) and bool(n2[[0, 1, 2, 4]].isfinite().all())
+
+
+def test_the_float64_gram_route_counts_the_float32_kernels_rounding():
+    """An example whose positions cancel exactly (integer inputs near 2^25 summing to 0 over T, one g for all): its
+    exact gradient is 0, so its float64 Gram norm is ~0, but the float32 kernel's rounded products do not cancel
+    (~2 per entry). The bound's err (<= 1e-6 of it is the Gram's own float64 margin, the rest the kernel's gamma_K S)
+    sends it to the float64 route; a bound without err would release that rounding, over a hundred times C."""
+    from workbench.privacy.clipping.bound import RHO, clip_factors
+    from workbench.privacy.clipping.layers import LinearRule
+
+    gen = torch.Generator().manual_seed(7)
+    n, t, d_in, d_out = 4, 5, 32, 96
+    a = torch.randint(-2 ** 22, 2 ** 22, (n, t, d_in), generator=gen).double() * 8
+    a[:, -1] = -a[:, :-1].sum(1)  # multiples of 8 below 2^27: exact in float32, and so is their sum, 0
+    a = a.float()
+    g = torch.randn(n, 1, d_out, generator=gen).expand(n, t, d_out).contiguous()
+    m = nn.Linear(d_in, d_out, bias=False)
+    rule = LinearRule()
+    factor, rows = clip_factors([rule.bound(m, (a, g), n, 64)], n, CLIP, torch.float32, "cpu")
+    out = torch.zeros_like(m.weight)
+    rule.add_clipped(m, (a, g), factor, {id(m.weight): out})
+    assert float(torch.einsum("nto,nti->oi", g, a).norm()) > 100 * CLIP  # what float32 releases unclipped
+    assert rows is not None and bool(rows.all()) and float(out.norm()) <= CLIP * (1 + RHO)
+
+
 class SelfAttention(nn.Module):
     """Self-attention whose q, k and v projections read one tensor (book-keeping joins them: JoinedLinears);
     out_proj reads another tensor of the same shape, which must not join them."""

@@ -30,12 +30,15 @@ The argument (u = 2^-24, float32's unit roundoff; gamma_k = k u / (1 - k u), the
    term), so their norm is within sqrt(gamma64_D) S_i of it: that margin is in ``err`` beside the kernel's. Kept
    Linear sequences take their Gram matrices in float32 first (:func:`gram32_margin`: the sum within M_i of the
    exact squared norm, so max(sum, 0) + M_i is an upper bound in ``n2``); an example whose M_i is not small beside
-   its sum is recomputed by the float64 route.
+   its sum is recomputed by the float64 route. Small Gram matrices are taken in float64 directly
+   (``LinearRule._bound64``), the bias folded in as an input column of 1s (a'_t = [a_t, 1]: one more term per dot
+   product, D = d_in + 1 + d_out + T^2 + 2, S = sum_t ||g_t|| ||a'_t||, which bounds the weight's and the bias's
+   kernel error together: the bias's products are g_t 1).
 2. The parts are disjoint blocks of the example's vector, so B_i = (sqrt(sum n2 + sum floor) + sum err)(1 + max rel)
    bounds the norm of the unscaled vector added; :func:`clip_factors` derives f_i <= 1 with f_i B_i <= C - slack
    (the float32 factor, its product with g and the float32 sums and (r)sqrt of the bound are inside a 1 + 8u).
 3. Underflow: every operand a kernel multiplies by a scaled value has entries below 2^64, since larger ones make the
-   float32 squares of its rule infinite (the float64 route below); a scaled value rounded to a subnormal moves a
+   float32 squares of its rule infinite (the float64 route below; the float64 Gram route sets n2 = inf for them); a scaled value rounded to a subnormal moves a
    product by at most 2^-149 2^64 = ``UNDERFLOW``, so an example's sum moves by at most ``slack`` (T sqrt(P) of them),
    which the factor leaves room for.
 4. What float32 cannot scale exactly is not scaled there: an example whose factor is below 2^-60 or whose bound is

@@ -143,6 +143,10 @@ class LinearRule:
     # to 1.6x: 0.52x -> 0.66x of non-private CPU time); wider ratios stay kept (vit's, 3.3x: forming measured slower)
     TIGHT = 2.0 ** -8  # the float32 Gram's rounding margin accepted up to this share of the squared norm (<= 0.2 % on
     # the norm, as loose as the kernels' own margins); examples past it are recomputed in float64 (:meth:`_gram`)
+    GRAM64_IF = 2 ** 16  # Gram matrices of at most this many multiply-adds per example, T^2 (d_in + d_out), are taken
+    # in float64 with the bias folded in (:meth:`_bound64`): there per-matrix overhead, not the products, is the cost
+    # (vit's 32 -> 96 at T = 5: 3,200; a float64 bmm measured no slower than float32's), and the float32 route's margin,
+    # loose-example mask and separate bias sum are ~30 small ops a layer; MiniLM's 384x1536 at T = 128 (31M) stays float32
 
     @classmethod
     def keeps(cls, m, a, g) -> bool:
@@ -237,6 +241,8 @@ class LinearRule:
         # <= ||g||_F (||a||_F + sqrt(T)) by Cauchy-Schwarz (two passes, no per-position tensors)
         steps = a.shape[1]
         gram = "weight" in names and self.use_gram(a, g)
+        if gram and steps * steps * (a.shape[2] + g.shape[2]) <= self.GRAM64_IF:
+            return self._bound64(m, a, g, names, batch)
         formed = gamma(steps + 1)  # the bias's sum over T is formed in float32 on both routes
         in64 = None  # the examples whose Gram is float64's (their margin is err's, not n2's)
         if gram:
@@ -264,6 +270,37 @@ class LinearRule:
         return Bound(n2, rel, err,
                      UNDERFLOW * steps * math.sqrt(sum(getattr(m, k).numel() for k in names)), floor)
 
+    @staticmethod
+    def _bound64(m, a: torch.Tensor, g: torch.Tensor, names: list[str], batch: int) -> Bound:
+        """The Gram route on small matrices, in float64 from exact copies of a (n, T, d_in) and g (n, T, d_out), the
+        bias folded into the weight: [W, b]'s input at position t is a'_t = [a_t, 1], so A' = A + 1 (each entry a
+        float64 dot product of length d_in + 1, the 1 added last) and ||[W, b]'s gradient||^2 = sum_{t,t'} A'_tt'
+        G_tt'. The T^2 products summed in float64 are within gamma64_D S^2 of the exact, D = d_in + 1 + d_out + T^2
+        + 2 (each entry's dot product, the product, the sum), S = sum_t ||g_t|| ||a'_t||, so the norm is within
+        sqrt(gamma64_D) S of it: in err beside the kernels' gamma_depth S (the bias's kernel sums g_t 1: the same
+        S covers both). S from the diagonals (each within gamma64_{d+1} of the squared norm, from below at most),
+        their product, square root and sum over T: rounded up by 1 + gamma64_{d_in + d_out + T + 8}. No float32
+        rounding reaches n2 (float32's squares cannot underflow or overflow in float64): rel and floor are 0. An entry
+        past 2^64 would not make these squares inf as float32's do, so such examples get n2 = inf here (the float64
+        route), as on the other routes."""
+        n, steps, d_in = a.shape
+        d_out = g.shape[2]
+        a64, g64 = a.double(), g.double()
+        ga, gg = a64 @ a64.mT, g64 @ g64.mT
+        if "bias" in names:
+            ga.add_(1.0)
+            d_in += 1
+        n2 = torch.linalg.vecdot(ga.view(n, -1), gg.view(n, -1)).clamp_(min=0)
+        # bound.py's underflow argument needs every unscaled kernel operand below 2^64 (the float32 squares of the
+        # other routes are inf past it): an example with a squared position norm past 2^127 takes the float64 route
+        big = torch.maximum(ga.diagonal(dim1=1, dim2=2).amax(1), gg.diagonal(dim1=1, dim2=2).amax(1)) >= 2.0 ** 127
+        n2.masked_fill_(big, math.inf)
+        s = ga.diagonal(dim1=1, dim2=2).mul(gg.diagonal(dim1=1, dim2=2)).sqrt_().sum(1)
+        up = 1.0 + gamma(d_in + d_out + steps + 8, U64)
+        scale = (gamma(kernel_depth(batch, steps)) + math.sqrt(gamma(d_in + d_out + steps * steps + 2, U64))) * up
+        return Bound(n2, err=s.mul_(scale * (1.0 + 2 * U64)),
+                     slack=UNDERFLOW * steps * math.sqrt(sum(getattr(m, k).numel() for k in names)))
+
     def add_clipped(self, m, state, factor, view_of):
         a, g = state
         names = trainable(m)
@@ -274,19 +311,28 @@ class LinearRule:
             return
         c = per_call(_per_example(a) // a.shape[-1])
         narrow_a = a.shape[-1] < g.shape[-1]  # the factors scale the narrower of a and g: fewer products
+        columns = _columns(layers)
+        whole = len(columns) == 1  # one layer: its views directly, no column slices (a few us each on small layers)
         for s in range(0, len(a), c):  # out of place: autograd may hand one gradient tensor to two layers
-            gs, as_, fs = g[s:s + c], a[s:s + c], factor[s:s + c]
+            gs, as_, fs = (g, a, factor) if len(a) <= c else (g[s:s + c], a[s:s + c], factor[s:s + c])
             f = fs.view(-1, *[1] * (gs.dim() - 1))
             if "weight" in names:
                 left, right = (gs, as_ * f) if narrow_a else (gs * f, as_)
                 left, right = left.to(dtype).reshape(-1, gs.shape[-1]), right.to(dtype).reshape(-1, as_.shape[-1])
-                for layer, cols in _columns(layers):
-                    view_of[id(layer.weight)].addmm_(left[:, cols].t(), right)
+                if whole:
+                    view_of[id(layers[0].weight)].addmm_(left.t(), right)
+                else:
+                    for layer, cols in columns:
+                        view_of[id(layer.weight)].addmm_(left[:, cols].t(), right)
             if "bias" in names:  # sum_i f_i sum_t g_it: one matrix-vector product over the chunk's rows, one cast
                 rows = gs.reshape(-1, gs.shape[-1])
-                total = torch.mv(rows.t(), fs.to(rows.dtype).repeat_interleave(len(rows) // len(gs))).to(dtype)
-                for layer, cols in _columns(layers):
-                    view_of[id(layer.bias)].add_(total[cols])
+                scale = fs.to(rows.dtype).repeat_interleave(len(rows) // len(gs))
+                if whole and rows.dtype == dtype:  # into the buffer as _add_clipped_rows does: the same roundings
+                    view_of[id(layers[0].bias)].addmv_(rows.t(), scale)
+                    continue
+                total = torch.mv(rows.t(), scale).to(dtype)
+                for layer, cols in columns:
+                    view_of[id(layer.bias)].add_(total if whole else total[cols])
 
     @staticmethod
     def _add_clipped_rows(m, names, a, g, factor, view_of):
