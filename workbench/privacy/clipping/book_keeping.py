@@ -4,12 +4,12 @@ The forward keeps each trainable layer's input a; one backward computes the grad
 and no weight gradient. Each layer's rule (:mod:`workbench.privacy.clipping.layers`: Linear, Embedding, Conv1d/2d,
 LayerNorm/RMSNorm, GroupNorm, Hugging Face's Conv1D; biases and frozen parameters included) takes, per call, whichever
 route holds less memory: its per-sample gradients, formed as g arrives (a tap -- an identity autograd node -- on z
-hands g over during the backward, and a and g are let go), or (a, g) kept, the backward returning g. Then per-sample squared norms per
-layer, their sum over layers, the clip factors f_i, and sum_i f_i grad_i into the buffer. A layer called more than
-once (or on a sequence (B, T, d)) is exact: its calls are summed per example before norms. Two things cut the small
-ops a step costs (on a small ViT they weigh as much as the kernels): formed per-sample gradients of few entries per
-example (normalisation weights, biases, raw parameters) are stacked into one tensor, one norm reduction and one
-matrix-vector product for all (``bound.stack_small``), and kept Linear sequences that read one and the same input
+hands g over during the backward, and a and g are let go), or (a, g) kept, the backward returning g. Then per-sample
+squared norms per layer, their sum over layers, the clip factors f_i, and sum_i f_i grad_i into the buffer. A layer
+called more than once (or on a sequence (B, T, d)) is exact: its calls are summed per example before norms. Two things
+cut the small ops a step costs (on a small ViT they weigh as much as the kernels): formed per-sample gradients of few
+entries per example (normalisation weights, biases, raw parameters) are stacked into one tensor, one norm reduction and
+one matrix-vector product for all (``bound.stack_small``), and kept Linear sequences that read one and the same input
 tensor (self-attention's q, k and v projections) are joined into one Linear (``layers.JoinedLinears``: the input's
 norms, Gram matrices and scaled copy computed once). Each layer's route is decided once per per-example shape
 (:meth:`BookKeeping._keeps`), and a rule may read what the forward saved for autograd (LayerNorm's mean and 1/std,
@@ -75,23 +75,21 @@ class _Tap(torch.autograd.Function):
         return g, None, None
 
 
-
-
 def trainable_layers(model: nn.Module) -> list[nn.Module]:
     """The modules with trainable parameters of their own. A parameter that a module without a rule registers beside a
     layer with a rule is the layer's: the module only holds a second reference (Hugging Face's BERT masked-LM head,
-    ``self.decoder.bias = self.bias``). Were it also used in that module's own forward, that path would be missing from
-    the per-example gradients, and the pre-run check, which compares each example's gradient with autograd's, refuses
-    the model."""
+    ``self.decoder.bias = self.bias``); book-keeping hides it from that module during its forwards
+    (:meth:`BookKeeping._run`), so a use of it outside the layer is refused, not missed."""
     mods = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
-    ruled = _ruled_parameters(mods)
-    return [m for m in mods if rule_for(m)[0] is not None
+    with_rule = {m for m in mods if rule_for(m)[0] is not None}
+    ruled = _ruled_parameters(with_rule)
+    return [m for m in mods if m in with_rule
             or any(p.requires_grad and id(p) not in ruled for p in m.parameters(recurse=False))]
 
 
-def _ruled_parameters(mods: list[nn.Module]) -> set[int]:
-    """ids of the parameters that a layer with a rule registers."""
-    return {id(p) for m in mods if rule_for(m)[0] is not None for p in m.parameters(recurse=False)}
+def _ruled_parameters(layers) -> set[int]:
+    """ids of the parameters that these layers with a rule register."""
+    return {id(p) for m in layers for p in m.parameters(recurse=False)}
 
 
 def raw_owner(m: nn.Module) -> bool:
@@ -158,13 +156,13 @@ class BookKeeping(PreRunCheck, Strategy):
             raise WorkbenchError(f"grad_sample_mode=bk {why}: use grad_sample_mode=auto")
         self.rules = {m: rule_for(m)[0] for m in self.layers}
         names = {m: n for n, m in model.named_modules()}
-        ruled = _ruled_parameters(self.layers)  # a rule-less module's second reference to a layer's parameter
+        ruled = _ruled_parameters(m for m in self.layers if self.rules[m] is not None)
         self.raw = [_Raw(m, k, f"{names[m]}.{k}".lstrip(".")) for m in self.layers if self.rules[m] is None
                     for k, p in m.named_parameters(recurse=False) if p.requires_grad and id(p) not in ruled]
         self.rules.update({h: RawRule() for h in self.raw})
         # those second references: hidden from their modules during bk's forwards, so that a use of one outside the
         # layer (which the layer's rule would not see) fails loudly instead of clipping a gradient that misses it
-        self.aliases = [(m, k) for m in model.modules() if rule_for(m)[0] is None
+        self.aliases = [(m, k) for m in model.modules() if self.rules.get(m) is None
                         for k, p in m._parameters.items() if p is not None and p.requires_grad and id(p) in ruled]
         self.hooked = [m for m in self.layers if self.rules[m] is not None]
         # tied weights (an Embedding and a Linear sharing one): both layers always keep their calls, clipped as one

@@ -38,9 +38,9 @@ The argument (u = 2^-24, float32's unit roundoff; gamma_k = k u / (1 - k u), the
    bounds the norm of the unscaled vector added; :func:`clip_factors` derives f_i <= 1 with f_i B_i <= C - slack
    (the float32 factor, its product with g and the float32 sums and (r)sqrt of the bound are inside a 1 + 8u).
 3. Underflow: every operand a kernel multiplies by a scaled value has entries below 2^64, since larger ones make the
-   float32 squares of its rule infinite (the float64 route below; the float64 Gram route sets n2 = inf for them); a scaled value rounded to a subnormal moves a
-   product by at most 2^-149 2^64 = ``UNDERFLOW``, so an example's sum moves by at most ``slack`` (T sqrt(P) of them),
-   which the factor leaves room for.
+   float32 squares of its rule infinite (the float64 route below; the float64 Gram route sets n2 = inf for them); a
+   scaled value rounded to a subnormal moves a product by at most 2^-149 2^64 = ``UNDERFLOW``, so an example's sum
+   moves by at most ``slack`` (T sqrt(P) of them), which the factor leaves room for.
 4. What float32 cannot scale exactly is not scaled there: an example whose factor is below 2^-60 or whose bound is
    not finite (a float32 square past 2^128, inf/NaN) is zeroed in the batch kernels and recomputed alone in float64
    (:func:`add_exact`): its gradient, norm and scaling in float64, cast once. A finite gradient is clipped to C
