@@ -50,6 +50,13 @@ def _precise(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+def _gram64(t: torch.Tensor) -> torch.Tensor:
+    """(n, T, T) float64 Gram matrices of (n, T, d) ``t`` from an exact float64 copy, freed on return: the copies of a
+    and g are never held together (a step's peak memory)."""
+    t = t.double()
+    return t @ t.mT
+
+
 def weighted_sum(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """sum_i factor_i t_i for per-sample gradients t (n, *shape), one matrix-vector product (t may be a transposed
     view, as the Linear rule forms it)."""
@@ -285,8 +292,7 @@ class LinearRule:
         route), as on the other routes."""
         n, steps, d_in = a.shape
         d_out = g.shape[2]
-        a64, g64 = a.double(), g.double()
-        ga, gg = a64 @ a64.mT, g64 @ g64.mT
+        ga, gg = _gram64(a), _gram64(g)
         if "bias" in names:
             ga.add_(1.0)
             d_in += 1
