@@ -140,16 +140,18 @@ def test_clipped_sum_equals_the_per_example_loop(case, mode):
 def test_the_linear_gram_route_is_taken_where_it_costs_fewer_flops():
     """bk's Linear sequences choose by cost (LinearRule's docstring): kept with Gram norms where the float32 Gram
     matrices cost less than forming would add (the MiniLM preset's 384x1536 FFN at T = 128: measured 16 ms against
-    58 ms formed, 33 ms for the weight-gradient matmul both pay), formed during the backward where memory allows and
-    the Gram matrices cost more (the same FFN at T = 256, T = 512; q/k/v at T = 128), kept by memory otherwise. The
+    58 ms formed, 33 ms for the weight-gradient matmul both pay), formed during the backward where memory allows
+    (at most FORM_IF = 1.25x a and g) and the Gram matrices cost more (the same FFN at T = 256, T = 512; q/k/v at
+    T = 256), kept by memory otherwise (q/k/v at T = 128, 1.5x; gpt's FFN, 1.6x). The
     Gram norms bound those of the per-sample gradients formed independently (float64 einsum) from above, tightly."""
     from workbench.privacy.clipping.layers import LinearRule
 
     rule = LinearRule()
     for t, d_in, d_out, kept, gram in ((128, 384, 1536, True, True), (128, 1536, 384, True, True),
                                        (256, 384, 1536, False, True), (512, 384, 1536, False, False),
-                                       (128, 384, 384, False, True), (128, 768, 3072, True, True),
-                                       (5, 32, 96, True, True), (32, 64, 256, False, True), (64, 64, 64, False, False)):
+                                       (128, 384, 384, True, True), (256, 384, 384, False, False),
+                                       (128, 768, 3072, True, True), (5, 32, 96, True, True), (32, 64, 256, True, True),
+                                       (32, 64, 64, False, True), (64, 64, 64, False, False)):
         m = nn.Linear(d_in, d_out, device="meta")  # shapes only
         a, g = torch.zeros(1, t, d_in, device="meta"), torch.zeros(1, t, d_out, device="meta")
         assert rule.keeps(m, a, g) is kept and rule.use_gram(a, g) is gram, (t, d_in, d_out)

@@ -145,9 +145,11 @@ class LinearRule:
 
     FORM_COST = 1.65  # formed per-sample gradients per unit (batched matmul over T only: 1.15x at T = 512, 2.1x at 128)
     GRAM_COST = 1.3  # the float32 Gram matrices per multiply-add, relative to the weight-gradient matmul's
-    FORM_IF = 2.0  # sequences form per-sample gradients during the backward up to twice the memory of a and g: their
-    # clipped sum is then one matrix-vector product, not a second weight-gradient kernel (the gpt preset's layers, 1.0x
-    # to 1.6x: 0.52x -> 0.66x of non-private CPU time); wider ratios stay kept (vit's, 3.3x: forming measured slower)
+    FORM_IF = 1.25  # sequences form per-sample gradients during the backward where they take at most 1.25x the memory
+    # of a and g (either is held to the end of the backward): their clipped sum is then one matrix-vector product, not a
+    # second weight-gradient kernel (MiniLM's FFN at T = 256, 1.2x: the step 10 % faster; gpt's 64-wide attention,
+    # 1.02x). At 2x the tiny BERT's and gpt's FFN formed too (1.47x, 1.6x): peak step memory 1.30x and 1.68x of
+    # non-private, now 1.24x and 1.31x, for -6 % / +2.5 % of their step speed; vit's (3.3x) stay kept
     TIGHT = 2.0 ** -8  # the float32 Gram's rounding margin accepted up to this share of the squared norm (<= 0.2 % on
     # the norm, as loose as the kernels' own margins); examples past it are recomputed in float64 (:meth:`_gram`)
     GRAM64_IF = 2 ** 16  # Gram matrices of at most this many multiply-adds per example, T^2 (d_in + d_out), are taken
@@ -828,12 +830,11 @@ class PatchConvRule(ConvRule):
     """A patch convolution (kernel == stride, no padding, dilation 1, groups 1: a ViT's patch embedding) is a Linear on
     non-overlapping patches: a reshape and permutation of its input, no unfold. Its per-sample gradients,
     sum_l g_l U_l^T, are one batched matmul over the L patches; they are formed wherever they take at most ``FORM_IF``
-    times the memory of a and g or at most ``SMALL_FORMED`` entries per example (small ones are then stacked with the
-    other small formed gradients by book-keeping: one norm, one matrix-vector product). Formed gradients are what
+    times the memory of a and g or at most ``SMALL_FORMED`` entries per example. Formed gradients are what
     is summed, so their bound is the materialised one; larger patch convolutions keep a and g and take ConvRule's
     kept route unchanged. The pre-run check's route stays ConvRule's (F.unfold)."""
 
-    FORM_IF = 2.0  # as LinearRule's sequences
+    FORM_IF = LinearRule.FORM_IF  # a Linear on patches
     SMALL_FORMED = ConvRule.CHUNK_ELEMENTS // 512  # per-example entries formed whatever a and g take: a micro-batch of
     # 512 holds no more than the kept route's own chunk of formed gradients (the vit preset's 544 against a and g's 192)
 
