@@ -50,6 +50,7 @@ from workbench.privacy.clipping.bound import (add_exact, clip_factors, exact_flo
                                                zero_rows)
 from workbench.privacy.clipping.layers import (RULES, EmbeddingRule, JoinedLinearRule, JoinedLinears, LinearRule,
                                                 _precise, rule_for, trainable, weighted_sum)
+from workbench.privacy.clipping.rows import LinearRows
 from workbench.privacy.clipping.tied import TiedPair, tie, tied_pairs
 from workbench.errors import WorkbenchError
 
@@ -120,8 +121,6 @@ class _Raw:
         return p.expand(n, *[1] * self.ones, *shape)
 
 
-
-
 class RawRule:
     """Per-sample gradients of a raw parameter: the gradient of example i's copy, (n, *p.shape), always formed."""
 
@@ -183,6 +182,8 @@ class BookKeeping(PreRunCheck, Strategy):
         self._routes: dict[tuple, bool] = {}  # (layer, per-example shapes...) -> the rule keeps a and g (_keeps)
         # rules that read what the forward saved for the backward (LayerNorm's statistics) instead of recomputing it
         self.saved = {m: self.rules[m].saved for m in self.hooked if hasattr(self.rules[m], "saved")}
+        self.lean = LinearRows(self.hooked) if not (self.raw or self.aliases or self.tied) \
+            and LinearRows.fits(self.hooked, self.rules) else None
 
     def _run(self, batch, loss_fn: LossFn, collect: bool):
         """Forward with the recording hooks. A call whose rule keeps (a, g) (all calls when ``collect``: the check
@@ -332,6 +333,9 @@ class BookKeeping(PreRunCheck, Strategy):
         n = len(losses)
         bound_n = max(n, self.max_batch)  # public: no factor depends on how many examples were drawn
         with exact_float32(losses.device):
+            factor = self.lean.add(arrived, bound_n, self.clip, view_of) if self.lean and arrived else None
+            if factor is not None:  # Linear layers on float32 rows: the generic path's computation, lean (rows.py)
+                return self.count(factor) or losses.detach()
             parts = []  # a certified bound per layer route, summed once
             kept, formed = [], []
             for m, (per_sample, calls) in arrived.items():
