@@ -247,7 +247,7 @@ class GradientStep:
         if losses.dim() != 1 or len(losses) != len(batch):
             raise WorkbenchError(f"the criterion must return one loss per example (reduction='none'), not shape "
                                  f"{tuple(losses.shape)} for a batch of {len(batch)}")
-        return losses.float()
+        return losses if losses.dtype is torch.float32 else losses.float()
 
     def _losses(self, module: nn.Module, batch: Batch) -> torch.Tensor:
         """As _precise_losses, under autocast with bf16/fp16 (norms and clipping stay float32: clipping/), times the

@@ -220,7 +220,7 @@ class BookKeeping(PreRunCheck, Strategy):
             if not out.requires_grad:
                 raise WorkbenchError("grad_sample_mode=bk: gradients are disabled in the model's forward (no_grad?)")
             a = _input(args, kwargs).detach()
-            if collect or m in self.tied or self._keeps(m, a, out):  # g has the output's shape
+            if collect or m in self.tied or (self.lean and a.dim() == 2) or self._keeps(m, a, out):  # (lean: rows kept)
                 kept.append((m, a, get_gradient_edge(out)))
                 return None
             taps += 1
