@@ -182,8 +182,7 @@ class BookKeeping(PreRunCheck, Strategy):
         self._routes: dict[tuple, bool] = {}  # (layer, per-example shapes...) -> the rule keeps a and g (_keeps)
         # rules that read what the forward saved for the backward (LayerNorm's statistics) instead of recomputing it
         self.saved = {m: self.rules[m].saved for m in self.hooked if hasattr(self.rules[m], "saved")}
-        self.lean = LinearRows(self.hooked) if not (self.raw or self.aliases or self.tied) \
-            and LinearRows.fits(self.hooked, self.rules) else None
+        self.lean = LinearRows(self.hooked) if not self.raw and LinearRows.fits(self.hooked, self.rules) else None
 
     def _run(self, batch, loss_fn: LossFn, collect: bool):
         """Forward with the recording hooks. A call whose rule keeps (a, g) (all calls when ``collect``: the check
@@ -335,7 +334,8 @@ class BookKeeping(PreRunCheck, Strategy):
         with exact_float32(losses.device):
             factor = self.lean.add(arrived, bound_n, self.clip, view_of) if self.lean and arrived else None
             if factor is not None:  # Linear layers on float32 rows: the generic path's computation, lean (rows.py)
-                return self.count(factor) or losses.detach()
+                self.count(factor)  # adaptive clipping only
+                return losses.detach()
             parts = []  # a certified bound per layer route, summed once
             kept, formed = [], []
             for m, (per_sample, calls) in arrived.items():

@@ -26,7 +26,8 @@ from workbench.privacy.clipping.layers import LinearRule, trainable
 
 
 class LinearRows:
-    """The lean path for ``layers`` (their rules all :class:`LinearRule`, each an ``nn.Linear`` exactly)."""
+    """The lean path for ``layers`` (their rules all :class:`LinearRule`, each an ``nn.Linear`` exactly: no tied
+    weights, which need an Embedding; raw parameters are the caller's to exclude)."""
 
     def __init__(self, layers: list[nn.Module]):
         self.layers = layers
