@@ -231,6 +231,14 @@ MUTANTS = (
     Mutant("fp-linear-rows-norm-in-bf16", "the Linear rows route's norms from bf16-rounded inputs: rounded down, an "
            "example escapes the clip", "workbench/privacy/clipping/layers.py", "aa = torch.linalg.vecdot(a, a)", "aa = torch.linalg.vecdot(a.bfloat16(), a.bfloat16()).float()",
            (FP_FUZZ,)),
+    Mutant("bk-rows-lean-adds-non-finite", "bk's lean rows path adds even where an example's bound is not finite "
+           "(0 * inf = NaN in the release) instead of handing the batch to the generic path's float64 route",
+           "workbench/privacy/clipping/rows.py", "if not within(factor) or", "if False and not within(factor) or",
+           ("tests/test_rows.py::test_the_lean_path_is_the_generic_path_bit_for_bit_and_steps_aside_where_it_must",)),
+    Mutant("bk-rows-lean-margins-stale", "bk's lean rows path keeps the margins of the first C it saw: adaptive "
+           "clipping's later, smaller C_t clips against the old one", "workbench/privacy/clipping/rows.py",
+           "key = (*arrived, batch, clip)", "key = (*arrived, batch)",
+           ("tests/test_rows.py::test_the_lean_paths_margins_follow_the_batch_bound_and_the_clip",)),
     Mutant("fp-materialised-norm-in-bf16", "formed per-sample gradients (bk's formed routes, hooks, functorch, ew) "
            "clipped by a bf16 norm, not the float32 values summed", "workbench/privacy/clipping/bound.py",
            "    b = squares(t)\n", "    b = squares(t.bfloat16())\n", (FP_FUZZ,)),

@@ -364,6 +364,27 @@ def test_a_reduced_float32_matmul_precision_does_not_loosen_the_bound(precision,
         torch.set_float32_matmul_precision(before)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # the flags are global settings: no GPU needed to set them
+def test_exact_float32_sets_every_flag_of_the_device_to_ieee_and_restores_it(device):
+    """exact_float32 reads and sets torch's precision flags by their own (backend, op) keys (cudnn's conv flag is
+    ("cuda", "conv"), not ("cudnn", "conv")): inside, each flag of the device reads "ieee" through torch's own
+    objects; after, each reads what the user had set."""
+    from workbench.privacy.clipping.bound import _PRECISION_FLAGS, exact_float32
+
+    flags = [f for _, f in _PRECISION_FLAGS[device]]
+    assert flags and all(key is not None for key, _ in _PRECISION_FLAGS[device])
+    before = [f.fp32_precision for f in flags]
+    try:
+        for f in flags:
+            f.fp32_precision = "tf32" if device == "cuda" else "bf16"
+        with exact_float32(torch.device(device)):
+            assert [f.fp32_precision for f in flags] == ["ieee"] * len(flags)
+        assert [f.fp32_precision for f in flags] == ["tf32" if device == "cuda" else "bf16"] * len(flags)
+    finally:
+        for f, value in zip(flags, before):
+            f.fp32_precision = value
+
+
 @pytest.mark.parametrize("physical", [3, 512])
 def test_removing_one_example_moves_the_release_by_at_most_its_clipped_contribution(physical):
     """DP's sensitivity: neighbouring batches (one example removed), crafted examples whose float32 sums are mostly

@@ -133,7 +133,7 @@ class GradientStep:
             self.grad_views.append(self.flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
         self.view_of = {id(p): view for p, view in zip(self.params, self.grad_views)}
-        self.numel = numel
+        self.numel, self.on_cpu = numel, device.type == "cpu"
         self.loss_sum, self.count = self.flat[numel], self.flat[numel + 1]  # 0-d views: cheaper to add to
         self._update, self._totals = self.flat[:numel], self.flat[numel:]  # views made once, not per step
         self.noise = GaussianNoise(noise_multiplier, max_grad_norm, numel, dist.rank, device, noise_seed) \
@@ -247,7 +247,7 @@ class GradientStep:
         if losses.dim() != 1 or len(losses) != len(batch):
             raise WorkbenchError(f"the criterion must return one loss per example (reduction='none'), not shape "
                                  f"{tuple(losses.shape)} for a batch of {len(batch)}")
-        return losses.float()
+        return losses if losses.dtype is torch.float32 else losses.float()
 
     def _losses(self, module: nn.Module, batch: Batch) -> torch.Tensor:
         """As _precise_losses, under autocast with bf16/fp16 (norms and clipping stay float32: clipping/), times the
@@ -266,7 +266,8 @@ class GradientStep:
         return losses if self.scale == 1.0 else losses * self.scale
 
     def _to_device(self, batch: Any) -> Batch:
-        return as_batch(batch).to(self.flat.device, non_blocking=True)
+        batch = as_batch(batch)
+        return batch if self.on_cpu and batch.on_cpu() else batch.to(self.flat.device, non_blocking=True)
 
     def _micro_batches(self, batch: Batch):
         if len(batch) <= self.max_physical_batch_size:  # at most one micro-batch: the batch itself, no slicing

@@ -81,6 +81,11 @@ class Batch:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
+    def on_cpu(self) -> bool:
+        """Whether every tensor is on the CPU already (``to("cpu")`` would return each as it is)."""
+        return self.labels.is_cpu and all(t.is_cpu for t in (*self.args, *self.kwargs.values())
+                                          if isinstance(t, torch.Tensor))
+
     def slice(self, start: int, end: int) -> "Batch":
         """Examples [start, end) of every input whose first dimension is the batch (others are shared as they are)."""
         n = len(self)
@@ -94,6 +99,8 @@ def as_batch(raw: Any) -> Batch | None:
     """A collated batch (None for an empty Poisson draw) in the trainer's one shape."""
     if raw is None or isinstance(raw, Batch):
         return raw
+    if type(raw) is tuple and len(raw) >= 2:  # the common (x, y), before the slower check for a Mapping
+        return Batch(raw[:-1], {}, torch.as_tensor(raw[-1]))
     if isinstance(raw, Mapping):
         inputs = dict(raw)
         key = "labels" if "labels" in inputs else "label" if "label" in inputs else None

@@ -1,6 +1,7 @@
 """Per-sample clipping: one strategy per ``grad_sample_mode``, one module each.
 
 - ``book_keeping`` (``bk``): one backward, closed-form per-sample norms, the clipped sum as one matmul per layer;
+  ``rows``: its lean path where every trainable layer is an nn.Linear on float32 rows (the same computation);
 - ``opacus_modes``: Opacus' ``hooks``, ``functorch``, ``ew`` (materialised per-sample gradients; ``ghost`` refused);
 - ``whole_model``: ``vmap``, per-example gradients of the whole model by torch.func (any model vmap can batch);
 - ``bound``: the floating-point bound every private route honours (each example's contribution <= C (1 + RHO));

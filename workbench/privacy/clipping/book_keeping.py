@@ -50,6 +50,7 @@ from workbench.privacy.clipping.bound import (add_exact, clip_factors, exact_flo
                                                zero_rows)
 from workbench.privacy.clipping.layers import (RULES, EmbeddingRule, JoinedLinearRule, JoinedLinears, LinearRule,
                                                 _precise, rule_for, trainable, weighted_sum)
+from workbench.privacy.clipping.rows import LinearRows
 from workbench.privacy.clipping.tied import TiedPair, tie, tied_pairs
 from workbench.errors import WorkbenchError
 
@@ -120,8 +121,6 @@ class _Raw:
         return p.expand(n, *[1] * self.ones, *shape)
 
 
-
-
 class RawRule:
     """Per-sample gradients of a raw parameter: the gradient of example i's copy, (n, *p.shape), always formed."""
 
@@ -183,6 +182,7 @@ class BookKeeping(PreRunCheck, Strategy):
         self._routes: dict[tuple, bool] = {}  # (layer, per-example shapes...) -> the rule keeps a and g (_keeps)
         # rules that read what the forward saved for the backward (LayerNorm's statistics) instead of recomputing it
         self.saved = {m: self.rules[m].saved for m in self.hooked if hasattr(self.rules[m], "saved")}
+        self.lean = LinearRows(self.hooked) if not self.raw and LinearRows.fits(self.hooked, self.rules) else None
 
     def _run(self, batch, loss_fn: LossFn, collect: bool):
         """Forward with the recording hooks. A call whose rule keeps (a, g) (all calls when ``collect``: the check
@@ -219,7 +219,7 @@ class BookKeeping(PreRunCheck, Strategy):
             if not out.requires_grad:
                 raise WorkbenchError("grad_sample_mode=bk: gradients are disabled in the model's forward (no_grad?)")
             a = _input(args, kwargs).detach()
-            if collect or m in self.tied or self._keeps(m, a, out):  # g has the output's shape
+            if collect or m in self.tied or (self.lean and a.dim() == 2) or self._keeps(m, a, out):  # (lean: rows kept)
                 kept.append((m, a, get_gradient_edge(out)))
                 return None
             taps += 1
@@ -332,6 +332,10 @@ class BookKeeping(PreRunCheck, Strategy):
         n = len(losses)
         bound_n = max(n, self.max_batch)  # public: no factor depends on how many examples were drawn
         with exact_float32(losses.device):
+            factor = self.lean.add(arrived, bound_n, self.clip, view_of) if self.lean and arrived else None
+            if factor is not None:  # Linear layers on float32 rows: the generic path's computation, lean (rows.py)
+                self.count(factor)  # adaptive clipping only
+                return losses.detach()
             parts = []  # a certified bound per layer route, summed once
             kept, formed = [], []
             for m, (per_sample, calls) in arrived.items():

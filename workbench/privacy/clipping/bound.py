@@ -214,10 +214,7 @@ def clip_factors(parts: list[Bound], n: int, clip: float, buffer: torch.dtype,
     depend on the other examples drawn (and on the summation order), which no per-example factor can bound."""
     if not parts:
         return torch.ones(n, device=device), None
-    rel = max(b.rel for b in parts) + gamma(len(parts) + 2)  # + the sums over parts
-    u_buffer = torch.finfo(buffer).eps / 2
-    room = clip - sum(b.slack for b in parts) - math.sqrt(sum(b.floor for b in parts)) * (1.0 + rel)
-    c = max(room, 0.0) / ((1.0 + rel) * (1.0 + 16 * U32) * (1.0 + 2 * u_buffer))
+    c = clip_scale(parts, clip, buffer)
     errs = [b.err for b in parts if b.err is not None]
     n2 = parts[0].n2.double() if errs and parts[0].n2.dtype != torch.float64 else parts[0].n2
     for b in parts[1:]:
@@ -227,15 +224,32 @@ def clip_factors(parts: list[Bound], n: int, clip: float, buffer: torch.dtype,
         err = errs[0] if len(errs) == 1 else torch.stack(errs).sum(0)
         ill = err > norm * ILL_CONDITIONED
         factor = norm.add_(err).reciprocal_().mul_(c).masked_fill_(ill, 0.0)  # 0: below TINY_FACTOR, the float64 route
+        factor.clamp_(max=1.0)
     else:
-        factor = n2.rsqrt_().mul_(c)
-    factor.clamp_(max=1.0)
-    # one reduction and one host read in the usual case: min is NaN where any factor is (an inf/NaN bound), and NaN
-    # compares False, as do factors float32 would scale inexactly
-    if not len(factor) or float(factor.min()) >= TINY_FACTOR:
+        factor = scaled(n2, c)
+    if within(factor):
         return factor.float() if factor.dtype != torch.float32 else factor, None
     rows = ~(factor >= TINY_FACTOR)
     return factor.masked_fill_(rows, 0.0).float(), rows
+
+
+def clip_scale(parts: list[Bound], clip: float, buffer: torch.dtype) -> float:
+    """The c of :func:`clip_factors` for these parts (their scalars only, public: n2 and err are not read)."""
+    rel = max(b.rel for b in parts) + gamma(len(parts) + 2)  # + the sums over parts
+    u_buffer = torch.finfo(buffer).eps / 2
+    room = clip - sum(b.slack for b in parts) - math.sqrt(sum(b.floor for b in parts)) * (1.0 + rel)
+    return max(room, 0.0) / ((1.0 + rel) * (1.0 + 16 * U32) * (1.0 + 2 * u_buffer))
+
+
+def scaled(n2: torch.Tensor, c: float) -> torch.Tensor:
+    """min(1, c / sqrt(n2)): the factors of parts without ``err`` (n2 consumed)."""
+    return n2.rsqrt_().mul_(c).clamp_(max=1.0)
+
+
+def within(factor: torch.Tensor) -> bool:
+    """Whether no example needs the float64 route: one reduction and one host read; min is NaN where any factor is
+    (an inf/NaN bound), and NaN compares False, as do factors float32 would scale inexactly."""
+    return not len(factor) or float(factor.min()) >= TINY_FACTOR
 
 
 def zero_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -265,14 +279,26 @@ def add_exact(grads: dict[int, torch.Tensor], clip: float, view_of: dict[int, to
     return factor
 
 
+_GET, _SET = getattr(torch._C, "_get_fp32_precision_getter", None), getattr(torch._C, "_set_fp32_precision_setter", None)
+
+
 def _flags(*names: str) -> tuple:
-    """torch's per-backend float32 precision flags that exist in this build (objects with ``fp32_precision``)."""
+    """torch's per-backend float32 precision flags that exist in this build, each as (key, flag object): key is the
+    (backend, op) of torch's own getter and setter (``torch.backends.cudnn.conv``'s is ("cuda", "conv")), read and set
+    without the object's Python attribute hooks (they ran on every micro-batch); None where that key does not read
+    what the object reads (another torch): the object's ``fp32_precision`` is used then."""
     found = []
     for name in names:
         backend, op = name.split(".")
         flags = getattr(getattr(torch.backends, backend, None), op, None)
-        if flags is not None and hasattr(flags, "fp32_precision"):
-            found.append(flags)
+        if flags is None or not hasattr(flags, "fp32_precision"):
+            continue
+        key = (getattr(flags, "backend", backend), getattr(flags, "op", op))
+        try:
+            same = _GET is not None and _SET is not None and _GET(*key) == flags.fp32_precision
+        except RuntimeError:  # a key torch does not know
+            same = False
+        found.append((key if same else None, flags))
     return tuple(found)
 
 
@@ -293,13 +319,20 @@ class exact_float32:  # noqa: N801 - a context manager, used like one
         self.saved: list = []
 
     def __enter__(self) -> None:
-        for flags in self.flags:
-            value = flags.fp32_precision
+        for key, flags in self.flags:
+            value = _GET(*key) if key else flags.fp32_precision
             if value != "ieee":
-                self.saved.append((flags, value))
-                flags.fp32_precision = "ieee"
+                self.saved.append((key, flags, value))
+                _set(key, flags, "ieee")
 
     def __exit__(self, *exc) -> None:
-        for flags, value in self.saved:
-            flags.fp32_precision = value
+        for key, flags, value in self.saved:
+            _set(key, flags, value)
         self.saved.clear()
+
+
+def _set(key: tuple | None, flags, value: str) -> None:
+    if key:
+        _SET(*key, value)
+    else:
+        flags.fp32_precision = value

@@ -232,17 +232,8 @@ class LinearRule:
         a, g = state
         names = trainable(m)
         if a.dim() == 2:  # ||g_i a_i^T||^2 = ||a_i||^2 ||g_i||^2 (+ ||g_i||^2 with a bias), one product per entry
-            gg = torch.linalg.vecdot(g, g)  # float32: within gamma_d, squares lost below 2^-126 added back
-            if "weight" not in names:
-                return Bound(gg.add_(g.shape[1] * SUBNORMAL), gamma(g.shape[1] + 2) / 2 + gamma(kernel_depth(batch, 1)),
-                             slack=UNDERFLOW * math.sqrt(g.shape[1]))
-            aa = torch.linalg.vecdot(a, a).add_((1.0 if "bias" in names else 0.0) + a.shape[1] * SUBNORMAL)
-            n2 = aa.mul_(gg.add_(g.shape[1] * SUBNORMAL))  # float32: inf (float64 route) past 2^128
-            # the squares' rounding (gamma_d each, halved on the norm), the add and product (3u), the matmul over n
-            # rows and the add into the buffer (gamma_{n+2}: no cancellation within one example's rank-1 term)
-            rel = (gamma(a.shape[1] + 2) + gamma(g.shape[1] + 2)) / 2 + 2 * U32 + gamma(kernel_depth(batch, 1))
-            return Bound(n2, rel, slack=UNDERFLOW * math.sqrt(m.weight.numel() + g.shape[1]),
-                         floor=2.0 ** -148)  # the float32 product of two tiny squares may round to 0
+            terms, b = self.row_terms(m, names, a.shape[1], g.shape[1], batch)
+            return b._replace(n2=self.row_norms(a, g, *terms))
         # sequences: per-sample gradients formed in float32 (sum over T: within gamma_T S of the exact) or the Gram
         # route (float32 Gram matrices: their margin in n2; or float64: its squared norm within gamma64_D S^2, so its
         # norm within sqrt(gamma64_D) S), the clipped sum one matmul per chunk of examples (within gamma_depth S),
@@ -278,6 +269,30 @@ class LinearRule:
             err += magnitude.mul_(in64.to(magnitude.dtype)).mul_(g64 * (1 + g_rel) * (1 + a_rel) * (1 + 4 * U64))
         return Bound(n2, rel, err,
                      UNDERFLOW * steps * math.sqrt(sum(getattr(m, k).numel() for k in names)), floor)
+
+    @staticmethod
+    def row_terms(m, names: list[str], d_in: int, d_out: int, batch: int) -> tuple[tuple, Bound]:
+        """The rows route's public constants (shapes only): what :meth:`row_norms` adds to ||a_i||^2 (None: no
+        weight) and to ||g_i||^2, and the Bound's margins (its n2 left None)."""
+        if "weight" not in names:
+            return (None, d_out * SUBNORMAL), Bound(None, gamma(d_out + 2) / 2 + gamma(kernel_depth(batch, 1)),
+                                                    slack=UNDERFLOW * math.sqrt(d_out))
+        # the squares' rounding (gamma_d each, halved on the norm), the add and product (3u), the matmul over n
+        # rows and the add into the buffer (gamma_{n+2}: no cancellation within one example's rank-1 term)
+        rel = (gamma(d_in + 2) + gamma(d_out + 2)) / 2 + 2 * U32 + gamma(kernel_depth(batch, 1))
+        return ((1.0 if "bias" in names else 0.0) + d_in * SUBNORMAL, d_out * SUBNORMAL), Bound(
+            None, rel, slack=UNDERFLOW * math.sqrt(m.weight.numel() + d_out),
+            floor=2.0 ** -148)  # the float32 product of two tiny squares may round to 0
+
+    @staticmethod
+    def row_norms(a: torch.Tensor, g: torch.Tensor, alpha: float | None, beta: float) -> torch.Tensor:
+        """(n,) float32 (||a_i||^2 + alpha) (||g_i||^2 + beta), or ||g_i||^2 + beta without a weight (alpha None):
+        float32 squares within gamma_d, those lost below 2^-126 added back; inf (the float64 route) past 2^128."""
+        gg = torch.linalg.vecdot(g, g)
+        if alpha is None:
+            return gg.add_(beta)
+        aa = torch.linalg.vecdot(a, a).add_(alpha)
+        return aa.mul_(gg.add_(beta))
 
     @staticmethod
     def _bound64(m, a: torch.Tensor, g: torch.Tensor, names: list[str], batch: int) -> Bound:
