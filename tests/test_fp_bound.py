@@ -366,13 +366,12 @@ def test_a_reduced_float32_matmul_precision_does_not_loosen_the_bound(precision,
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])  # the flags are global settings: no GPU needed to set them
 def test_exact_float32_sets_every_flag_of_the_device_to_ieee_and_restores_it(device):
-    """exact_float32 reads and sets torch's precision flags by their own (backend, op) keys (cudnn's conv flag is
-    ("cuda", "conv"), not ("cudnn", "conv")): inside, each flag of the device reads "ieee" through torch's own
-    objects; after, each reads what the user had set."""
+    """exact_float32 sets each float32 precision flag of the device to "ieee" inside (TF32 and oneDNN's bf16 mode
+    round the bound's kernels' inputs) and puts back what the user had set after."""
     from workbench.privacy.clipping.bound import _PRECISION_FLAGS, exact_float32
 
-    flags = [f for _, f in _PRECISION_FLAGS[device]]
-    assert flags and all(key is not None for key, _ in _PRECISION_FLAGS[device])
+    flags = list(_PRECISION_FLAGS[device])
+    assert flags
     before = [f.fp32_precision for f in flags]
     try:
         for f in flags:

@@ -279,26 +279,14 @@ def add_exact(grads: dict[int, torch.Tensor], clip: float, view_of: dict[int, to
     return factor
 
 
-_GET, _SET = getattr(torch._C, "_get_fp32_precision_getter", None), getattr(torch._C, "_set_fp32_precision_setter", None)
-
-
 def _flags(*names: str) -> tuple:
-    """torch's per-backend float32 precision flags that exist in this build, each as (key, flag object): key is the
-    (backend, op) of torch's own getter and setter (``torch.backends.cudnn.conv``'s is ("cuda", "conv")), read and set
-    without the object's Python attribute hooks (they ran on every micro-batch); None where that key does not read
-    what the object reads (another torch): the object's ``fp32_precision`` is used then."""
+    """torch's per-backend float32 precision flags that exist in this build (objects with ``fp32_precision``)."""
     found = []
     for name in names:
         backend, op = name.split(".")
         flags = getattr(getattr(torch.backends, backend, None), op, None)
-        if flags is None or not hasattr(flags, "fp32_precision"):
-            continue
-        key = (getattr(flags, "backend", backend), getattr(flags, "op", op))
-        try:
-            same = _GET is not None and _SET is not None and _GET(*key) == flags.fp32_precision
-        except RuntimeError:  # a key torch does not know
-            same = False
-        found.append((key if same else None, flags))
+        if flags is not None and hasattr(flags, "fp32_precision"):
+            found.append(flags)
     return tuple(found)
 
 
@@ -319,20 +307,13 @@ class exact_float32:  # noqa: N801 - a context manager, used like one
         self.saved: list = []
 
     def __enter__(self) -> None:
-        for key, flags in self.flags:
-            value = _GET(*key) if key else flags.fp32_precision
+        for flags in self.flags:
+            value = flags.fp32_precision
             if value != "ieee":
-                self.saved.append((key, flags, value))
-                _set(key, flags, "ieee")
+                self.saved.append((flags, value))
+                flags.fp32_precision = "ieee"
 
     def __exit__(self, *exc) -> None:
-        for key, flags, value in self.saved:
-            _set(key, flags, value)
+        for flags, value in self.saved:
+            flags.fp32_precision = value
         self.saved.clear()
-
-
-def _set(key: tuple | None, flags, value: str) -> None:
-    if key:
-        _SET(*key, value)
-    else:
-        flags.fp32_precision = value
