@@ -154,3 +154,28 @@ def test_the_lean_paths_margins_follow_the_batch_bound_and_the_clip():
         ref.count = lambda factor, exact=(): want.append(factor)
         ref.accumulate((x, y), _loss, {id(p): torch.zeros_like(p) for p in model.parameters()})
         assert torch.equal(got[0], want[0])
+
+
+def test_a_parameter_frozen_after_construction_leaves_the_lean_paths_sums_and_margins():
+    """The lean path reads each layer's trainable parameters every step, as the generic path does: a bias frozen
+    between two steps is neither summed nor in the margins from then on (the same factors and sums as the generic
+    path's on the frozen model)."""
+    x, y = _crafted("plain"), torch.arange(8) % 3
+    model = _mlp()
+    bk = BookKeeping(model, CLIP)
+    bk.max_batch = 16
+    bk.accumulate((x, y), _loss, {id(p): torch.zeros_like(p) for p in model.parameters()})  # margins made unfrozen
+    model[0].bias.requires_grad_(False)
+    got, want = [], []
+    bk.count = lambda factor, exact=(): got.append(factor)
+    view_of = {id(p): torch.zeros_like(p) for p in model.parameters()}
+    bk.accumulate((x, y), _loss, view_of)
+    ref = BookKeeping(model, CLIP)
+    ref.max_batch, ref.lean = 16, None
+    ref.count = lambda factor, exact=(): want.append(factor)
+    ref_view = {id(p): torch.zeros_like(p) for p in model.parameters()}
+    ref.accumulate((x, y), _loss, ref_view)
+    assert torch.equal(got[0], want[0])
+    assert not view_of[id(model[0].bias)].any()
+    for p in model.parameters():
+        assert torch.equal(view_of[id(p)], ref_view[id(p)])

@@ -31,7 +31,8 @@ class LinearRows:
 
     def __init__(self, layers: list[nn.Module]):
         self.layers = layers
-        self._key: tuple | None = None  # (layers as they arrived, batch bound, C): what _terms and _c were made for
+        self._key: tuple | None = None  # (layers as they arrived, their trainable names, batch bound, C): what _terms
+        # and _c were made for
         self._terms: list[tuple] = []  # per layer: (names, (alpha, beta)) of LinearRule.row_terms
         self._c = 0.0
 
@@ -42,13 +43,14 @@ class LinearRows:
 
     def add(self, arrived: dict, batch: int, clip: float, view_of: dict[int, torch.Tensor]) -> torch.Tensor | None:
         """Add sum_i f_i grad_i into ``view_of`` and return the factors f; None (nothing added): the generic path."""
-        key = (*arrived, batch, clip)
+        # read every step: a parameter frozen after construction leaves the sums and margins, as on the generic path
+        names = tuple(tuple(trainable(m)) for m in arrived)
+        key = (*arrived, names, batch, clip)
         if key != self._key:
             self._terms, parts = [], []
-            for m in arrived:
-                names = trainable(m)
-                terms, b = LinearRule.row_terms(m, names, m.in_features, m.out_features, batch)
-                self._terms.append((names, terms))
+            for m, names_m in zip(arrived, names):
+                terms, b = LinearRule.row_terms(m, list(names_m), m.in_features, m.out_features, batch)
+                self._terms.append((list(names_m), terms))
                 parts.append(b)
             self._c, self._key = clip_scale(parts, clip, torch.float32), key
         n2 = None
