@@ -237,7 +237,8 @@ MUTANTS = (
            ("tests/test_rows.py::test_the_lean_path_is_the_generic_path_bit_for_bit_and_steps_aside_where_it_must",)),
     Mutant("bk-rows-lean-margins-stale", "bk's lean rows path keeps the margins of the first C it saw: adaptive "
            "clipping's later, smaller C_t clips against the old one", "workbench/privacy/clipping/rows.py",
-           "key = (*arrived, batch, clip)", "key = (*arrived, batch)",
+           "tuple((a.shape[1], g.shape[1]) for a, g in rows), batch, clip)",
+           "tuple((a.shape[1], g.shape[1]) for a, g in rows), batch)",
            ("tests/test_rows.py::test_the_lean_paths_margins_follow_the_batch_bound_and_the_clip",)),
     Mutant("fp-materialised-norm-in-bf16", "formed per-sample gradients (bk's formed routes, hooks, functorch, ew) "
            "clipped by a bf16 norm, not the float32 values summed", "workbench/privacy/clipping/bound.py",

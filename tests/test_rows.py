@@ -179,3 +179,27 @@ def test_a_parameter_frozen_after_construction_leaves_the_lean_paths_sums_and_ma
     assert not view_of[id(model[0].bias)].any()
     for p in model.parameters():
         assert torch.equal(view_of[id(p)], ref_view[id(p)])
+
+
+def test_a_weight_replaced_by_one_of_another_width_remakes_the_lean_paths_margins():
+    """The margins follow the widths of a and g as they arrive (the generic path reads them there), not the layer's
+    in_features: a weight swapped for a wider one between steps gives the generic path's factors and sums."""
+    model = _mlp()
+    bk = BookKeeping(model, CLIP)
+    bk.max_batch = 16
+    x, y = _crafted("plain"), torch.arange(8) % 3
+    bk.accumulate((x, y), _loss, {id(p): torch.zeros_like(p) for p in model.parameters()})
+    model[0].weight = nn.Parameter(torch.randn(5, 600, generator=torch.Generator().manual_seed(3)))
+    wide = torch.randn(8, 600, generator=torch.Generator().manual_seed(4))
+    got, want = [], []
+    bk.count = lambda factor, exact=(): got.append(factor)
+    view_of = {id(p): torch.zeros_like(p) for p in model.parameters()}
+    bk.accumulate((wide, y), _loss, view_of)
+    ref = BookKeeping(model, CLIP)
+    ref.max_batch, ref.lean = 16, None
+    ref.count = lambda factor, exact=(): want.append(factor)
+    ref_view = {id(p): torch.zeros_like(p) for p in model.parameters()}
+    ref.accumulate((wide, y), _loss, ref_view)
+    assert torch.equal(got[0], want[0])
+    for p in model.parameters():
+        assert torch.equal(view_of[id(p)], ref_view[id(p)])

@@ -31,8 +31,8 @@ class LinearRows:
 
     def __init__(self, layers: list[nn.Module]):
         self.layers = layers
-        self._key: tuple | None = None  # (layers as they arrived, their trainable names, batch bound, C): what _terms
-        # and _c were made for
+        self._key: tuple | None = None  # (layers as they arrived, their trainable names and widths, batch bound, C):
+        # what _terms and _c were made for
         self._terms: list[tuple] = []  # per layer: (names, (alpha, beta)) of LinearRule.row_terms
         self._c = 0.0
 
@@ -43,28 +43,32 @@ class LinearRows:
 
     def add(self, arrived: dict, batch: int, clip: float, view_of: dict[int, torch.Tensor]) -> torch.Tensor | None:
         """Add sum_i f_i grad_i into ``view_of`` and return the factors f; None (nothing added): the generic path."""
-        # read every step: a parameter frozen after construction leaves the sums and margins, as on the generic path
-        names = tuple(tuple(trainable(m)) for m in arrived)
-        key = (*arrived, names, batch, clip)
-        if key != self._key:
-            self._terms, parts = [], []
-            for m, names_m in zip(arrived, names):
-                terms, b = LinearRule.row_terms(m, list(names_m), m.in_features, m.out_features, batch)
-                self._terms.append((list(names_m), terms))
-                parts.append(b)
-            self._c, self._key = clip_scale(parts, clip, torch.float32), key
-        n2 = None
-        for (names, terms), (formed, calls) in zip(self._terms, arrived.values()):
+        rows = []
+        for formed, calls in arrived.values():
             if formed is not None or len(calls) != 1:
                 return None
             a, g = calls[0]
             if a.dim() != 2 or a.dtype is not torch.float32 or g.dtype is not torch.float32:
                 return None
+            rows.append((a, g))
+        # what the margins depend on, read every step as the generic path reads it: the trainable parameters (one
+        # may be frozen after construction) and the widths of a and g (a layer's weight may be replaced)
+        names = tuple(tuple(trainable(m)) for m in arrived)
+        key = (*arrived, names, tuple((a.shape[1], g.shape[1]) for a, g in rows), batch, clip)
+        if key != self._key:
+            self._terms, parts = [], []
+            for m, names_m, (a, g) in zip(arrived, names, rows):
+                terms, b = LinearRule.row_terms(m, list(names_m), a.shape[1], g.shape[1], batch)
+                self._terms.append((list(names_m), terms))
+                parts.append(b)
+            self._c, self._key = clip_scale(parts, clip, torch.float32), key
+        n2 = None
+        for (_, terms), (a, g) in zip(self._terms, rows):
             t = LinearRule.row_norms(a, g, *terms)
             n2 = t if n2 is None else n2.add_(t)
         factor = scaled(n2, self._c)
         if not within(factor) or next(iter(view_of.values())).dtype is not torch.float32:
             return None
-        for m, (names, _), (_, calls) in zip(arrived, self._terms, arrived.values()):
-            LinearRule._add_clipped_rows(m, names, *calls[0], factor, view_of)
+        for m, (names_m, _), (a, g) in zip(arrived, self._terms, rows):
+            LinearRule._add_clipped_rows(m, names_m, a, g, factor, view_of)
         return factor
