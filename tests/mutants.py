@@ -257,6 +257,10 @@ MUTANTS = (
            "workbench/privacy/clipping/bound.py", "if top == 0.0 or not math.isfinite(top):", "if True:",
            ("tests/test_fp_bound.py::test_a_finite_gradient_past_float32s_squares_is_clipped_to_c_not_dropped[bk]",
             "tests/test_fp_bound.py::test_a_finite_gradient_past_float32s_squares_is_clipped_to_c_not_dropped[hooks]")),
+    Mutant("fp64-route-nan-past-first-parameter-unscaled", "the float64 route adds an example whose NaN is past its "
+           "first parameter unscaled (max compares the NaN away, min(1, C / NaN) = 1): 2.3e36 released at C = 1",
+           "workbench/privacy/clipping/bound.py", "    if not math.isfinite(norm):", "    if False:",
+           ("tests/test_fp_bound.py::test_a_nan_in_any_parameter_of_an_example_sent_to_the_float64_route_contributes_zero",)),
     Mutant("pinned-seed-logged", "a pinned secure_seed reaches MLflow's params unredacted",
            "workbench/tracking/redaction.py", 'container["privacy"]["secure_seed"] = "<redacted>"', "pass",
            ("tests/test_resume.py::test_streams_are_secret_unless_pinned",)),

@@ -334,6 +334,45 @@ def _triples(seed: int, positions=63, d=256) -> torch.Tensor:
     return torch.stack([x1, x2, -3 * (x1 + x2)], 1).reshape(1, -1).float()
 
 
+def test_a_nan_in_any_parameter_of_an_example_sent_to_the_float64_route_contributes_zero():
+    """The float64 route's norm is scaled by the example's largest entry: Python's max compares a NaN away unless it
+    comes first, and min(1, C / NaN) is 1, so an example with a NaN past its first parameter was added unscaled (a
+    review found 2.3e36 released at C = 1). Such an example now contributes 0 (a function of it alone), as one whose
+    first parameter is NaN did; end to end: two formed Linear sequences whose float32 sum overflows to inf - inf."""
+    from workbench.privacy.clipping.bound import add_exact
+
+    for nan_at in range(3):
+        grads = {k: torch.tensor([1e30, -2.0, 3.0], dtype=torch.float64) for k in range(3)}
+        grads[nan_at][1] = math.nan
+        view_of = {k: torch.zeros(3) for k in range(3)}
+        assert add_exact(grads, 1.0, view_of) == 0.0
+        assert all(not v.any() for v in view_of.values())
+
+    class Crafted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+            with torch.no_grad():
+                self.l1.weight.mul_(1e-4)
+                self.l2.weight.mul_(1e3)
+
+        def forward(self, x):
+            return self.head(self.l2(self.l1(x.view(len(x), 16, 4))).mean(1))
+
+    torch.manual_seed(0)
+    model = Crafted()
+    step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), setup("gloo"), max_grad_norm=1.0,
+                        noise_multiplier=0.0, grad_sample_mode="bk")
+    step.check((torch.randn(6, 64), torch.arange(6) % 3))
+    for seed in range(4):
+        x = (3e38 * torch.sign(torch.randn(1, 16, 4, generator=torch.Generator().manual_seed(seed)))).view(1, 64)
+        with torch.no_grad():
+            y = model(x).argmin(1)
+        step((x, y), step=0)
+        update = step.update.double()
+        assert bool(torch.isfinite(update).all()) and float(update.norm()) <= 1.0 * (1 + RHO), seed
+
+
 @pytest.mark.parametrize("route", ["gram", "formed"])  # the Linear's norms: float32 Gram matrices, or formed
 @pytest.mark.parametrize("precision", ["medium", "high"])
 def test_a_reduced_float32_matmul_precision_does_not_loosen_the_bound(precision, route, monkeypatch):

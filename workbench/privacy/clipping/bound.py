@@ -272,6 +272,8 @@ def add_exact(grads: dict[int, torch.Tensor], clip: float, view_of: dict[int, to
     if top == 0.0 or not math.isfinite(top):  # nothing to add, or not finite even in float64
         return 1.0 if top == 0.0 else 0.0
     norm = top * math.sqrt(sum(float((g / top).square().sum()) for g in grads.values()))
+    if not math.isfinite(norm):  # a NaN past the first parameter: max compared it away, min(1, C / NaN) would be 1
+        return 0.0
     factor = min(1.0, clip / norm)
     for key, g in grads.items():
         view = view_of[key]
