@@ -156,50 +156,46 @@ def test_the_lean_paths_margins_follow_the_batch_bound_and_the_clip():
         assert torch.equal(got[0], want[0])
 
 
+def _lean_after_a_change(model: nn.Module, change, x: torch.Tensor, y: torch.Tensor) -> dict[int, torch.Tensor]:
+    """One step on the lean path (its margins made), then ``change(model, x)`` (returns the next input), then one more
+    step on the same BookKeeping: its factors and sums must be a fresh generic path's on the changed model. Returns the
+    second step's sums (parameter id -> buffer view)."""
+    bk = BookKeeping(model, CLIP)
+    bk.max_batch = 16
+    bk.accumulate((x, y), _loss, {id(p): torch.zeros_like(p) for p in model.parameters()})
+    x = change(model, x)
+    sums, factors = {}, {}
+    for name, lean in (("lean", bk), ("generic", BookKeeping(model, CLIP))):
+        if name == "generic":
+            lean.max_batch, lean.lean = 16, None
+        lean.count = lambda factor, exact=(), name=name: factors.setdefault(name, factor)
+        sums[name] = {id(p): torch.zeros_like(p) for p in model.parameters()}
+        lean.accumulate((x, y), _loss, sums[name])
+    assert torch.equal(factors["lean"], factors["generic"])
+    for p in model.parameters():
+        assert torch.equal(sums["lean"][id(p)], sums["generic"][id(p)])
+    return sums["lean"]
+
+
 def test_a_parameter_frozen_after_construction_leaves_the_lean_paths_sums_and_margins():
     """The lean path reads each layer's trainable parameters every step, as the generic path does: a bias frozen
     between two steps is neither summed nor in the margins from then on (the same factors and sums as the generic
     path's on the frozen model)."""
-    x, y = _crafted("plain"), torch.arange(8) % 3
     model = _mlp()
-    bk = BookKeeping(model, CLIP)
-    bk.max_batch = 16
-    bk.accumulate((x, y), _loss, {id(p): torch.zeros_like(p) for p in model.parameters()})  # margins made unfrozen
-    model[0].bias.requires_grad_(False)
-    got, want = [], []
-    bk.count = lambda factor, exact=(): got.append(factor)
-    view_of = {id(p): torch.zeros_like(p) for p in model.parameters()}
-    bk.accumulate((x, y), _loss, view_of)
-    ref = BookKeeping(model, CLIP)
-    ref.max_batch, ref.lean = 16, None
-    ref.count = lambda factor, exact=(): want.append(factor)
-    ref_view = {id(p): torch.zeros_like(p) for p in model.parameters()}
-    ref.accumulate((x, y), _loss, ref_view)
-    assert torch.equal(got[0], want[0])
-    assert not view_of[id(model[0].bias)].any()
-    for p in model.parameters():
-        assert torch.equal(view_of[id(p)], ref_view[id(p)])
+
+    def freeze(model, x):
+        model[0].bias.requires_grad_(False)
+        return x
+
+    sums = _lean_after_a_change(model, freeze, _crafted("plain"), torch.arange(8) % 3)
+    assert not sums[id(model[0].bias)].any()
 
 
 def test_a_weight_replaced_by_one_of_another_width_remakes_the_lean_paths_margins():
     """The margins follow the widths of a and g as they arrive (the generic path reads them there), not the layer's
     in_features: a weight swapped for a wider one between steps gives the generic path's factors and sums."""
-    model = _mlp()
-    bk = BookKeeping(model, CLIP)
-    bk.max_batch = 16
-    x, y = _crafted("plain"), torch.arange(8) % 3
-    bk.accumulate((x, y), _loss, {id(p): torch.zeros_like(p) for p in model.parameters()})
-    model[0].weight = nn.Parameter(torch.randn(5, 600, generator=torch.Generator().manual_seed(3)))
-    wide = torch.randn(8, 600, generator=torch.Generator().manual_seed(4))
-    got, want = [], []
-    bk.count = lambda factor, exact=(): got.append(factor)
-    view_of = {id(p): torch.zeros_like(p) for p in model.parameters()}
-    bk.accumulate((wide, y), _loss, view_of)
-    ref = BookKeeping(model, CLIP)
-    ref.max_batch, ref.lean = 16, None
-    ref.count = lambda factor, exact=(): want.append(factor)
-    ref_view = {id(p): torch.zeros_like(p) for p in model.parameters()}
-    ref.accumulate((wide, y), _loss, ref_view)
-    assert torch.equal(got[0], want[0])
-    for p in model.parameters():
-        assert torch.equal(view_of[id(p)], ref_view[id(p)])
+    def widen(model, x):
+        model[0].weight = nn.Parameter(torch.randn(5, 600, generator=torch.Generator().manual_seed(3)))
+        return torch.randn(8, 600, generator=torch.Generator().manual_seed(4))
+
+    _lean_after_a_change(_mlp(), widen, _crafted("plain"), torch.arange(8) % 3)
