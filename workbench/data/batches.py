@@ -99,8 +99,8 @@ def as_batch(raw: Any) -> Batch | None:
     """A collated batch (None for an empty Poisson draw) in the trainer's one shape."""
     if raw is None or isinstance(raw, Batch):
         return raw
-    if type(raw) is tuple and len(raw) >= 2:  # the common (x, y), before the slower check for a Mapping
-        return Batch(raw[:-1], {}, torch.as_tensor(raw[-1]))
+    if isinstance(raw, (tuple, list)) and len(raw) >= 2:  # the common (x, y) first: the Mapping check is slower
+        return Batch(tuple(raw[:-1]), {}, torch.as_tensor(raw[-1]))
     if isinstance(raw, Mapping):
         inputs = dict(raw)
         key = "labels" if "labels" in inputs else "label" if "label" in inputs else None
@@ -108,7 +108,5 @@ def as_batch(raw: Any) -> Batch | None:
             raise WorkbenchError(f"a mapping batch needs a 'labels' entry for the loss; it has {sorted(inputs)}")
         labels = inputs.pop(key)
         return Batch((), inputs, torch.as_tensor(labels))
-    if isinstance(raw, (tuple, list)) and len(raw) >= 2:
-        return Batch(tuple(raw[:-1]), {}, torch.as_tensor(raw[-1]))
     raise WorkbenchError(f"a batch must be (x, y), (x1, ..., xk, y) or a mapping with 'labels', not "
                          f"{type(raw).__name__}{'' if not isinstance(raw, (tuple, list)) else f' of {len(raw)}'}")

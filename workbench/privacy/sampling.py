@@ -74,28 +74,27 @@ def seed_sequence_64(entropy: list[int]) -> int:
         while v >> 32:
             v >>= 32
             words.append(v & _MASK)
-    # hashmix and mix written out in place (no inner function calls: this runs twice a step)
-    h, pool = 0x43B0D7E5, []
-    for i in range(4):  # hashmix of each of the first 4 words (0 past the end)
-        v = (words[i] if i < len(words) else 0) ^ h
+    h = 0x43B0D7E5
+
+    def hashmix(value: int) -> int:
+        nonlocal h
+        value ^= h
         h = h * 0x931E8875 & _MASK
-        v = v * h & _MASK
-        pool.append(v ^ v >> 16)
+        value = value * h & _MASK
+        return value ^ value >> 16
+
+    def mix(x: int, y: int) -> int:
+        r = (0xCA01F9DD * x - 0x4973F715 * y) & _MASK
+        return r ^ r >> 16
+
+    pool = [hashmix(words[i] if i < len(words) else 0) for i in range(4)]
     for src in range(4):
         for dst in range(4):
-            if src != dst:  # pool[dst] = mix(pool[dst], hashmix(pool[src]))
-                v = pool[src] ^ h
-                h = h * 0x931E8875 & _MASK
-                v = v * h & _MASK
-                r = (0xCA01F9DD * pool[dst] - 0x4973F715 * (v ^ v >> 16)) & _MASK
-                pool[dst] = r ^ r >> 16
+            if src != dst:
+                pool[dst] = mix(pool[dst], hashmix(pool[src]))
     for word in words[4:]:
-        for dst in range(4):  # pool[dst] = mix(pool[dst], hashmix(word))
-            v = word ^ h
-            h = h * 0x931E8875 & _MASK
-            v = v * h & _MASK
-            r = (0xCA01F9DD * pool[dst] - 0x4973F715 * (v ^ v >> 16)) & _MASK
-            pool[dst] = r ^ r >> 16
+        for dst in range(4):
+            pool[dst] = mix(pool[dst], hashmix(word))
     h, state = 0x8B51F9DD, []
     for i in range(2):
         v = pool[i] ^ h

@@ -182,7 +182,7 @@ class BookKeeping(PreRunCheck, Strategy):
         self._routes: dict[tuple, bool] = {}  # (layer, per-example shapes...) -> the rule keeps a and g (_keeps)
         # rules that read what the forward saved for the backward (LayerNorm's statistics) instead of recomputing it
         self.saved = {m: self.rules[m].saved for m in self.hooked if hasattr(self.rules[m], "saved")}
-        self.lean = LinearRows(self.hooked) if not self.raw and LinearRows.fits(self.hooked, self.rules) else None
+        self.lean = LinearRows() if not self.raw and LinearRows.fits(self.hooked, self.rules) else None
 
     def _run(self, batch, loss_fn: LossFn, collect: bool):
         """Forward with the recording hooks. A call whose rule keeps (a, g) (all calls when ``collect``: the check

@@ -1,7 +1,8 @@
 """Book-keeping's lean path for the common case: every trainable layer an ``nn.Linear`` called once on float32 rows
 (n, d) (the default MLP). A step of that model costs a few hundred microseconds, so the generic path's bookkeeping
 (per-layer Bound objects, routes, joins, ties, stacked small tensors, the margins recomputed every step) weighs as
-much as its kernels. Here the margins are computed once per (layers, public batch bound, C), and each step runs only
+much as its kernels. Here the margins are computed once per (layers, their trainable parameters and widths, public
+batch bound, C), and each step runs only
 the tensor operations: per layer :meth:`LinearRule.row_norms`, their float32 sum, :func:`bound.scaled` and
 :meth:`LinearRule._add_clipped_rows`.
 
@@ -29,8 +30,7 @@ class LinearRows:
     """The lean path for ``layers`` (their rules all :class:`LinearRule`, each an ``nn.Linear`` exactly: no tied
     weights, which need an Embedding; raw parameters are the caller's to exclude)."""
 
-    def __init__(self, layers: list[nn.Module]):
-        self.layers = layers
+    def __init__(self):
         self._key: tuple | None = None  # (layers as they arrived, their trainable names and widths, batch bound, C):
         # what _terms and _c were made for
         self._terms: list[tuple] = []  # per layer: (names, (alpha, beta)) of LinearRule.row_terms
@@ -43,6 +43,8 @@ class LinearRows:
 
     def add(self, arrived: dict, batch: int, clip: float, view_of: dict[int, torch.Tensor]) -> torch.Tensor | None:
         """Add sum_i f_i grad_i into ``view_of`` and return the factors f; None (nothing added): the generic path."""
+        if next(iter(view_of.values())).dtype is not torch.float32:  # the buffer's precision is the rows route's
+            return None
         rows = []
         for formed, calls in arrived.values():
             if formed is not None or len(calls) != 1:
@@ -67,7 +69,7 @@ class LinearRows:
             t = LinearRule.row_norms(a, g, *terms)
             n2 = t if n2 is None else n2.add_(t)
         factor = scaled(n2, self._c)
-        if not within(factor) or next(iter(view_of.values())).dtype is not torch.float32:
+        if not within(factor):
             return None
         for m, (names_m, _), (a, g) in zip(arrived, self._terms, rows):
             LinearRule._add_clipped_rows(m, names_m, a, g, factor, view_of)
