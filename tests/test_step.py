@@ -216,3 +216,24 @@ def test_step_refuses_a_batch_mean_loss_and_a_model_without_trainable_parameters
                          noise_multiplier=0.0)
     GradientStep(_model().to(torch.bfloat16), nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=None,
                  noise_multiplier=0.0)  # non-private: no bound to keep
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks", None])
+@pytest.mark.parametrize("change", ["freeze", "unfreeze"])
+def test_a_parameter_frozen_or_unfrozen_after_the_step_was_built_is_refused_before_any_work(mode, change):
+    """The buffer, the noise and the optimizer cover the parameters trainable when the step was built: one frozen since
+    would still be noised and stepped by the optimizer, one unfrozen since never trained. Either is refused, naming
+    the parameter, before the step adds anything; restoring it lets training go on."""
+    d = setup("gloo")
+    model = _model()
+    model[2].bias.requires_grad_(change == "freeze")
+    step = GradientStep(model, nn.CrossEntropyLoss(reduction="none"), d, max_grad_norm=None if mode is None else 1.0,
+                        noise_multiplier=1.0, grad_sample_mode=mode or "bk")
+    step(_batch(), step=0)
+    before = step.flat.clone()
+    model[2].bias.requires_grad_(change != "freeze")
+    with pytest.raises(WorkbenchError, match=f"parameter '2.bias' was {dict(freeze='frozen', unfreeze='unfrozen')[change]} after the DP step was built"):
+        step(_batch(), step=1)
+    assert torch.equal(step.flat, before)  # before any work: the last step's gradients and totals as they were
+    model[2].bias.requires_grad_(change == "freeze")
+    step(_batch(), step=2)

@@ -35,10 +35,7 @@ from workbench.privacy.noise import CountNoise, GaussianNoise
 # Opacus' hooks trigger this on every backward of a model whose inputs need no grad: expected, not actionable.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
 
-
 CHECK_EXAMPLES = 8  # examples the pre-run check compares against autograd's per-example gradients
-
-
 FP16_LOSS_SCALE = 2.0 ** 10  # fp16_loss_scale's default (workbench/config.py)
 
 MEMORY_SHARE = 0.25  # max_physical_batch_size=auto on CPU: the default budget, this share of available memory
@@ -99,6 +96,7 @@ class GradientStep:
         self.clip_schedule = (clip_schedule or FixedClip(max_grad_norm)) if self.private else None
         adaptive = self.private and self.clip_schedule.adaptive
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self._frozen = [p for p in model.parameters() if not p.requires_grad]  # both fixed here: see _changed
         if not self.params:
             raise WorkbenchError("the model has no trainable parameters")
         if len({p.dtype for p in self.params}) > 1:
@@ -279,6 +277,8 @@ class GradientStep:
 
     def __call__(self, batch: Any, step: int) -> tuple[float, float]:
         """Fill each parameter's .grad with the noised clipped sum; return the cluster-wide (loss sum, example count)."""
+        if not all(p.requires_grad for p in self.params) or any(p.requires_grad for p in self._frozen):
+            raise WorkbenchError(self._changed())
         self.flat.zero_()
         for p in self.params:  # a .grad left from outside (no zero_grad) must not leak unclipped into the backward modes
             p.grad = None
@@ -303,6 +303,11 @@ class GradientStep:
         if released:  # the noised count, identical on every rank: so is the next C
             self.clip_schedule.update(released[0])
         return loss_sum, count
+
+    def _changed(self) -> str:  # the buffer, noise and optimizer cover what was trainable when the step was built
+        name, p = next((n, p) for n, p in self.model.named_parameters() if p.requires_grad == any(p is q for q in self._frozen))
+        return (f"parameter {name!r} was {'unfrozen' if p.requires_grad else 'frozen'} after the DP step was built (a frozen "
+                "one would still be noised and stepped, an unfrozen one never trained): set requires_grad before training starts")
 
     def _accumulate(self, batch: Batch, scale: float) -> bool:
         """Steps 1-2 for the whole local batch; False when auto ran out of memory (the step restarts, see _restart)."""
