@@ -11,7 +11,8 @@ allocation trace (benchmarks.throughput.peak_step_bytes); not tracemalloc (it do
 getrusage (a process-wide high-water mark).
 
     python -m benchmarks.real_size            # the presets' batch and 256-token sequences: benchmarks/real_size.json
-    python -m benchmarks.real_size --medium   # batch 16 (ResNet-18: 64), 128-token sequences: minutes on 2 cores
+    python -m benchmarks.real_size --medium   # batch 16 (ResNet-18: 64), the presets' 256-token sequences: minutes
+    ... --length 128                          # the language presets' sequences shortened (medium before session 13)
     python -m benchmarks.real_size --quick    # batch 4, 32-token sequences, 2 steps: seconds per preset (CI)
     ... --profile                             # and where a step's time goes: torch.profiler over one non-private and
                                               # one DP step of each preset, the top operators by self CPU time
@@ -31,21 +32,25 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 NAMES = ("bench_minilm", "bench_gpt2_lora", "bench_resnet18")
 ROWS = ("non_private", "ours", "opacus_ghost")
-# mode -> (batch cap, overrides, warm-up steps, steps per timed block, repeats). Medium: the full run of the two
-# language models takes over an hour on 2 cores; the ResNet's cap stays larger, since at 16 images the per-step costs
-# of its 11M parameters (noise, buffer, optimizer: ~0.2 s) would be what is measured.
+# mode -> (batch cap, overrides, warm-up steps, steps per timed block, repeats). Medium: the presets as issue 24 defines
+# them (256-token sequences) at a smaller batch, since the full run of the two language models takes over an hour on 2
+# cores; the ResNet's cap stays larger, since at 16 images the per-step costs of its 11M parameters (noise, buffer,
+# optimizer: ~0.2 s) would be what is measured.
 MODES = {"quick": (4, ("data.train.length=32", "data.train.size=64"), 1, 2, 1),
-         "medium": ({"bench_resnet18": 64}, ("data.train.length=128",), 1, 2, 3),
+         "medium": ({"bench_resnet18": 64}, (), 1, 2, 3),
          "full": (None, (), 1, 3, 3)}
 TOP = 8  # operators per profiled step in REAL_SIZE.md
 
 
-def measure(name: str, mode: str, profile: bool = False) -> dict:
+def measure(name: str, mode: str, profile: bool = False, length: int | None = None) -> dict:
+    """One preset's rows; ``length``: the language presets' sequence length instead of the mode's."""
     from benchmarks.common import interleaved, median, timed
     from benchmarks.presets import PRESETS, preset
     from benchmarks.throughput import Replay, opacus_ghost_step, peak_step_bytes, plain_step, workbench_step
 
     cap, extra, warmup, steps, repeats = MODES[mode]
+    if length is not None:
+        extra = (*[e for e in extra if not e.startswith("data.train.length=")], f"data.train.length={length}")
     if isinstance(cap, dict):
         cap = cap.get(name, 16)
     p = preset(name, cap, extra if name != "bench_resnet18" else tuple(e for e in extra if "length" not in e))
@@ -159,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     size.add_argument("--quick", action="store_true")
     size.add_argument("--medium", action="store_true")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--length", type=int, help="the language presets' sequence length (default: the mode's)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -169,10 +175,10 @@ def main(argv: list[str] | None = None) -> dict:
     mode = "quick" if args.quick else "medium" if args.medium else "full"
     out = {"mode": mode,
            "command": "python -m benchmarks.real_size" + ("" if mode == "full" else f" --{mode}")
-           + (" --profile" if args.profile else ""),
+           + (" --profile" if args.profile else "") + (f" --length {args.length}" if args.length else ""),
            "machine": machine_info(), "load": os.getloadavg(), "presets": {}}
     for name in NAMES:
-        out["presets"][name] = e = measure(name, mode, args.profile)
+        out["presets"][name] = e = measure(name, mode, args.profile, args.length)
         print(f"{name} (ours: {e['grad_sample_mode']}, micro-batch {e['physical_batch_size']}): " + ", ".join(
             f"{k} {v['samples_per_s']:.2f}/s ({v['throughput_vs_non_private']:.2f}x, mem "
             f"{v['peak_memory_vs_non_private']:.2f}x)" for k, v in e["rows"].items())
