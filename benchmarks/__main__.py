@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 
 FIGURES = ("dp_vs_nonprivate", "vs_opacus", "distributed_scaling", "scaling_vs_ddp", "accounting", "tracking_overhead", "startup",
-           "end_to_end")
+           "end_to_end", "real_size")
 
 
 def _summary(name: str, fig: dict) -> dict[str, float]:
@@ -48,6 +48,10 @@ def _summary(name: str, fig: dict) -> dict[str, float]:
             "system_metrics_1s_vs_off": fig["system_metrics"]["ab_sampling_vs_off"]}
     if name == "startup":
         return {f"{k}/first_step_s": v["first_step"] for k, v in fig["variants"].items()}
+    if name == "real_size":
+        return {f"{m}/{row}/{k}": v[k] for m, mv in fig["presets"].items() for row, v in mv["rows"].items()
+                for k in ("samples_per_s", "throughput_vs_non_private", "peak_memory_vs_non_private",
+                          "vs_opacus_ghost") if k in v}
     if name == "end_to_end":
         return {**{f"{k}/median_seconds": v for k, v in fig["median_seconds"].items()},
                 "workbench_vs_raw_opacus": fig["workbench_vs_raw_opacus"]}
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    from benchmarks import accounting, end_to_end, report, scaling, startup, throughput, tracking
+    from benchmarks import accounting, end_to_end, real_size, report, scaling, startup, throughput, tracking
     from benchmarks.common import Settings, dump_json, machine_info, set_threads
 
     set_threads()
@@ -122,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
             fig = tracking.tracking_overhead(settings)
         elif name == "startup":
             fig = startup.startup(settings)
-        else:
+        elif name == "end_to_end":
             fig = end_to_end.end_to_end(settings)
+        else:
+            fig = real_size.figure(settings)
         seconds = time.perf_counter() - t
         fig.setdefault("info", [])
         results[name] = {

@@ -40,6 +40,10 @@ MODES = {"quick": (4, ("data.train.length=32", "data.train.size=64"), 1, 2, 1),
          "medium": ({"bench_resnet18": 64}, (), 1, 2, 3),
          "full": (None, (), 1, 3, 3)}
 TOP = 8  # operators per profiled step in REAL_SIZE.md
+# issue 24's targets: ours / non-private throughput per preset; peak step memory at most MEMORY_TARGET x non-private
+# (throughput.MEMORY_TARGET); ours at least GHOST_TARGET x raw Opacus ghost wherever ghost runs
+THROUGHPUT_TARGETS = {"bench_minilm": 0.85, "bench_gpt2_lora": 0.9, "bench_resnet18": 0.85}
+GHOST_TARGET = 1.5
 
 
 def measure(name: str, mode: str, profile: bool = False, length: int | None = None) -> dict:
@@ -106,6 +110,32 @@ def measure(name: str, mode: str, profile: bool = False, length: int | None = No
             "physical_batch_size": gs.max_physical_batch_size,
             "trainable_parameters": sum(x.numel() for x in gs.params), "steps_per_block": steps, "repeats": repeats,
             "rows": rows, "refused": refused, "profile": profiles}
+
+
+def figure(settings) -> dict:
+    """``python -m benchmarks``' figure of these presets (results.json's ``real_size``): medium mode with profiles in
+    the runner's full mode, quick mode in its quick one; each preset's rows (measure) and issue 24's targets."""
+    from benchmarks.common import target
+    from benchmarks.throughput import MEMORY_TARGET
+
+    mode = "quick" if settings.mode == "quick" else "medium"
+    what = ("Issue 24's presets at real size (a MiniLM-sized encoder, a GPT-2-shaped decoder with LoRA, a ResNet-18 "
+            "with GroupNorm), built as `python -m workbench experiment=...` builds them, on synthetic data: "
+            "non-private, ours (auto) and raw Opacus ghost, interleaved in one process on the same Poisson batches.")
+    out = {"what": what, "real_size_mode": mode,
+           "presets": {name: measure(name, mode, profile=mode == "medium") for name in NAMES}, "targets": [], "info": []}
+    for name, e in out["presets"].items():
+        ours, mode_ = e["rows"]["ours"], e["grad_sample_mode"]
+        out["targets"] += [target(f"{name}: DP ({mode_}) / non-private throughput", ours["throughput_vs_non_private"],
+                                  THROUGHPUT_TARGETS[name], True),
+                           target(f"{name}: DP ({mode_}) / non-private peak step memory",
+                                  ours["peak_memory_vs_non_private"], MEMORY_TARGET, False)]
+        if "vs_opacus_ghost" in ours:
+            out["targets"].append(target(f"{name}: ours ({mode_}) / Opacus ghost throughput", ours["vs_opacus_ghost"],
+                                         GHOST_TARGET, True))
+        out["info"].append({"what": f"{name}: DP / non-private in the thread's CPU time",
+                            "value": ours["cpu_vs_non_private"]})
+    return out
 
 
 def _cpu(row: dict) -> str:

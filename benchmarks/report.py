@@ -251,6 +251,22 @@ def render(results: dict, mode: str, command: str, machine: dict, total_s: float
         lines += ["", f"workbench / raw Opacus: **{fig['workbench_vs_raw_opacus']:.2f}x** ({fig['epochs']} epochs, "
                   f"{fig['pairs']} pair(s)).", ""]
 
+    if "real_size" in results:
+        fig = results["real_size"]
+        lines += [""] * (lines[-1] != "") + ["## 8. Real-size presets (`real_size`)", "",
+                  f"{fig['what']} `benchmarks.real_size`'s {fig['real_size_mode']} mode (its docstring); its own CLI "
+                  "writes the same rows, with the profiles' top operators, to [REAL_SIZE.md](REAL_SIZE.md).", "",
+                  "| Preset | batch | seq | row | samples/s | vs non-private | CPU time | peak step memory | vs non-private |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for name, e in fig["presets"].items():
+            for row, v in e["rows"].items():
+                lines.append(f"| {name} | {e['batch']} | {e['sequence'] or '-'} | {row} | {v['samples_per_s']:.2f} | "
+                             f"{v['throughput_vs_non_private']:.2f}x | {v.get('cpu_vs_non_private', 0):.2f}x | "
+                             f"{v['peak_step_mib']:,.0f} MiB | {v['peak_memory_vs_non_private']:.2f}x |")
+            for row, why in e["refused"].items():
+                lines.append(f"| {name} | | | {row} | cannot run: {why} | | | | |")
+        lines.append("")
+
     notes = _notes(results)
     if notes:
         lines += ["## Notes: what limits the missed targets, and the figures without one", ""] + [f"- {n}" for n in notes] + [""]
@@ -293,6 +309,18 @@ def _notes(results: dict) -> list[str]:
                              f"{2 * g:.2f}x of non-private" + (" -- faster than the non-private step itself"
                                                                if 2 * g > 1 else ""))
             notes.append("; ".join(parts) + ".")
+    fig = results.get("real_size")
+    for name, e in (fig or {}).get("presets", {}).items():
+        if all(t["met"] for t in fig["targets"] if t["target"].startswith(f"{name}:")) or not e.get("profile"):
+            continue
+        plain, ours = e["profile"]["non_private"], e["profile"]["ours"]
+        common = {op for op, _, _ in plain["top"]}
+        notes.append(f"{name} (real size): in one profiled step its DP step's operators take {ours['self_cpu_ms']:.0f} ms "
+                     f"of self CPU against {plain['self_cpu_ms']:.0f} ms non-private "
+                     f"({ours['self_cpu_ms'] / plain['self_cpu_ms']:.2f}x); in its top operators and not the "
+                     "non-private step's: " + (", ".join(f"`{op}` {ms:.0f} ms" for op, ms, _ in ours["top"]
+                                                        if op not in common) or "none")
+                     + "; REAL_SIZE.md breaks the gap down part by part.")
     fig = results.get("startup")
     if fig and not all(t["met"] for t in fig["targets"]):
         w = fig["variants"]["warm"]

@@ -12,7 +12,9 @@ import pytest
 from tests.conftest import REPO
 
 FIGURES = ("dp_vs_nonprivate", "vs_opacus", "distributed_scaling", "scaling_vs_ddp", "accounting", "tracking_overhead", "startup",
-           "end_to_end")
+           "end_to_end", "real_size")
+# Issue 24's real-size presets: ours / non-private throughput targets (memory <= 1.3x, >= 1.5x Opacus ghost)
+REAL_SIZE_THROUGHPUT = {"bench_minilm": 0.85, "bench_gpt2_lora": 0.9, "bench_resnet18": 0.85}
 # Issue 10's DP / non-private throughput target per preset (issue 9: DP-versus-non-private rows for its presets;
 # issue 21: gpt and vit at 0.6x).
 PRESET_THROUGHPUT = {"mlp": 0.7, "images_resnet": 0.6, "text_classifier": 0.75, "lm_lora": 0.75, "transformer": 0.75,
@@ -84,6 +86,16 @@ def test_quick_benchmarks_write_every_figure(tmp_path):
     assert [(t["comparison"], t["goal"]) for t in e2e["targets"]] == [("<=", 0.6)]
     assert e2e["targets"][0]["value"] == pytest.approx(
         e2e["median_seconds"]["workbench"] / e2e["median_seconds"]["raw_opacus"])
+
+    real = results["real_size"]  # issue 24: the real-size presets in results.json, their targets in the table
+    assert real["real_size_mode"] == "quick" and list(real["presets"]) == list(REAL_SIZE_THROUGHPUT)
+    goals = _goals(real)
+    for preset, throughput in REAL_SIZE_THROUGHPUT.items():
+        rows, mode = real["presets"][preset]["rows"], real["presets"][preset]["grad_sample_mode"]
+        assert goals[f"{preset}: DP ({mode}) / non-private throughput"] == (">=", throughput)
+        assert goals[f"{preset}: DP ({mode}) / non-private peak step memory"] == ("<=", 1.3)
+        if "opacus_ghost" in rows:
+            assert goals[f"{preset}: ours ({mode}) / Opacus ghost throughput"] == (">=", 1.5)
 
     table = (tmp_path / "RESULTS.md").read_text()
     assert "| Figure | Comparison (same run) | Measured | Target | Met | Gap |" in table
