@@ -125,17 +125,23 @@ def figure(settings) -> dict:
     out = {"what": what, "real_size_mode": mode,
            "presets": {name: measure(name, mode, profile=mode == "medium") for name in NAMES}, "targets": [], "info": []}
     for name, e in out["presets"].items():
-        ours, mode_ = e["rows"]["ours"], e["grad_sample_mode"]
-        out["targets"] += [target(f"{name}: DP ({mode_}) / non-private throughput", ours["throughput_vs_non_private"],
+        ours, gs_mode = e["rows"]["ours"], e["grad_sample_mode"]
+        out["targets"] += [target(f"{name}: DP ({gs_mode}) / non-private throughput", ours["throughput_vs_non_private"],
                                   THROUGHPUT_TARGETS[name], True),
-                           target(f"{name}: DP ({mode_}) / non-private peak step memory",
+                           target(f"{name}: DP ({gs_mode}) / non-private peak step memory",
                                   ours["peak_memory_vs_non_private"], MEMORY_TARGET, False)]
         if "vs_opacus_ghost" in ours:
-            out["targets"].append(target(f"{name}: ours ({mode_}) / Opacus ghost throughput", ours["vs_opacus_ghost"],
+            out["targets"].append(target(f"{name}: ours ({gs_mode}) / Opacus ghost throughput", ours["vs_opacus_ghost"],
                                          GHOST_TARGET, True))
         out["info"].append({"what": f"{name}: DP / non-private in the thread's CPU time",
                             "value": ours["cpu_vs_non_private"]})
     return out
+
+
+def dp_only_operators(profile: dict) -> str:
+    """The DP step's top operators that are not among the non-private step's, with their ms ("" if none)."""
+    common = {op for op, _, _ in profile["non_private"]["top"]}
+    return ", ".join(f"`{op}` {ms:.0f} ms" for op, ms, _ in profile["ours"]["top"] if op not in common)
 
 
 def _cpu(row: dict) -> str:
@@ -171,8 +177,7 @@ def render(out: dict) -> str:
                   f"{TOP} operators by self CPU time, ms per step (Python between operators is not counted)."]
         for name, e in profiled.items():
             plain, ours = e["profile"]["non_private"], e["profile"]["ours"]
-            common = {op for op, _, _ in plain["top"]}
-            extra = ", ".join(f"`{op}` {ms:.0f} ms" for op, ms, _ in ours["top"] if op not in common)
+            extra = dp_only_operators(e["profile"])
             lines += ["", f"{name}: the DP step's operators take {ours['self_cpu_ms']:.0f} ms of self CPU against "
                       f"{plain['self_cpu_ms']:.0f} ms ({ours['self_cpu_ms'] / plain['self_cpu_ms']:.2f}x); in its top "
                       f"{TOP} and not the non-private step's: {extra or 'none'}."]

@@ -313,14 +313,14 @@ def _notes(results: dict) -> list[str]:
     for name, e in (fig or {}).get("presets", {}).items():
         if all(t["met"] for t in fig["targets"] if t["target"].startswith(f"{name}:")) or not e.get("profile"):
             continue
+        from benchmarks.real_size import dp_only_operators
+
         plain, ours = e["profile"]["non_private"], e["profile"]["ours"]
-        common = {op for op, _, _ in plain["top"]}
         notes.append(f"{name} (real size): in one profiled step its DP step's operators take {ours['self_cpu_ms']:.0f} ms "
                      f"of self CPU against {plain['self_cpu_ms']:.0f} ms non-private "
                      f"({ours['self_cpu_ms'] / plain['self_cpu_ms']:.2f}x); in its top operators and not the "
-                     "non-private step's: " + (", ".join(f"`{op}` {ms:.0f} ms" for op, ms, _ in ours["top"]
-                                                        if op not in common) or "none")
-                     + "; REAL_SIZE.md breaks the gap down part by part.")
+                     f"non-private step's: {dp_only_operators(e['profile']) or 'none'}; REAL_SIZE.md breaks the gap "
+                     "down part by part.")
     fig = results.get("startup")
     if fig and not all(t["met"] for t in fig["targets"]):
         w = fig["variants"]["warm"]
