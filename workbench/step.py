@@ -40,6 +40,8 @@ FP16_LOSS_SCALE = 2.0 ** 10  # fp16_loss_scale's default (workbench/config.py)
 
 MEMORY_SHARE = 0.25  # max_physical_batch_size=auto on CPU: the default budget, this share of available memory
 MATERIALISED = ("hooks", "functorch", "ew", "vmap")  # modes that hold every example's gradient of every parameter
+EW_MIXED_PRECISION = ("grad_sample_mode=ew cannot run in mixed precision: its clipped sum is not computed from the "
+                      "per-sample gradients its norms were; use bk or hooks")  # refused up front too (workbench/job.py)
 
 
 def auto_start(expected_batch: int) -> int:
@@ -118,8 +120,7 @@ class GradientStep:
         self.mode_note = ""
         self._make(self.candidates[0] if self.candidates else self.mode)
         if self.private and autocast_dtype is not None and self.mode == "ew":
-            raise WorkbenchError(f"grad_sample_mode={self.mode} cannot run in mixed precision: its clipped sum is not "
-                                 "computed from the per-sample gradients its norms were; use bk or hooks")
+            raise WorkbenchError(EW_MIXED_PRECISION)
         numel = sum(p.numel() for p in self.params)
         device = self.params[0].device
         if autocast_dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
