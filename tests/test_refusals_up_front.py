@@ -25,7 +25,7 @@ USERS_BANDS = ["experiment=users", "privacy.mechanism=bandmf", "privacy.num_band
 BANDS_MESSAGE = "privacy.num_bands=20 makes the in-band sampling rate b B / N = 1.28 > 1"
 
 
-@pytest.mark.parametrize("args, message", UP_FRONT, ids=[" ".join(a) for a, _ in UP_FRONT])
+@pytest.mark.parametrize("args, message", UP_FRONT, ids=["-".join(a) for a, _ in UP_FRONT])
 def test_a_combination_the_config_decides_is_refused_by_the_up_front_check(args, message):
     """check_args is what the CLI runs before Hydra's app: no folder, no store, no dataset exists yet."""
     from workbench.__main__ import check_args

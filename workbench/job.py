@@ -30,8 +30,9 @@ from workbench.models import hf
 from workbench.models.fixing import prepare_model
 from workbench.privacy import mechanism, sampling
 from workbench.privacy import users
+from workbench.privacy.clipping.opacus_modes import EW_MIXED_PRECISION
 from workbench.privacy.mechanism import Mechanism
-from workbench.step import CHECK_EXAMPLES, EW_MIXED_PRECISION, GradientStep
+from workbench.step import CHECK_EXAMPLES, GradientStep
 from workbench.user_step import UserGradientStep
 from workbench.trainer import lr_lambda
 from workbench.world_size import planned_world_size

@@ -29,6 +29,7 @@ from workbench.errors import WorkbenchError
 from workbench.models.losses import logits_of
 from workbench.privacy import clipping
 from workbench.privacy.clipping.adaptive import AdaptiveClip, FixedClip
+from workbench.privacy.clipping.opacus_modes import EW_MIXED_PRECISION
 from workbench.privacy.correlated import correlated_noise
 from workbench.privacy.noise import CountNoise, GaussianNoise
 
@@ -40,8 +41,6 @@ FP16_LOSS_SCALE = 2.0 ** 10  # fp16_loss_scale's default (workbench/config.py)
 
 MEMORY_SHARE = 0.25  # max_physical_batch_size=auto on CPU: the default budget, this share of available memory
 MATERIALISED = ("hooks", "functorch", "ew", "vmap")  # modes that hold every example's gradient of every parameter
-EW_MIXED_PRECISION = ("grad_sample_mode=ew cannot run in mixed precision: its clipped sum is not computed from the "
-                      "per-sample gradients its norms were; use bk or hooks")  # refused up front too (workbench/job.py)
 
 
 def auto_start(expected_batch: int) -> int:
