@@ -20,6 +20,8 @@ UP_FRONT = [
     (["fp16=true"], "fp16=true needs CUDA (this job runs on cpu)"),
     (["backend=nccl"], "ddp_backend=nccl needs"),
     (["privacy.grad_sample_mode=ew", "bf16=true"], "grad_sample_mode=ew cannot run in mixed precision"),
+    (["privacy.accountant=rdp", "shard=global", "launcher=local", "launcher.nprocs=2"],
+     "accountant 'rdp' does not support shard=global (parallel Poisson) with world_size=2"),
 ]
 USERS_BANDS = ["experiment=users", "privacy.mechanism=bandmf", "privacy.num_bands=20"]
 BANDS_MESSAGE = "privacy.num_bands=20 makes the in-band sampling rate b B / N = 1.28 > 1"
@@ -45,7 +47,8 @@ def test_the_same_combinations_run_once_they_are_supported():
     from workbench.__main__ import check_args
 
     for args in (["optimizer=dp_adamw"], ["privacy.mechanism=bandmf"], ["optimizer=dp_adamw", "privacy.clipping=adaptive"],
-                 ["bf16=true"], ["privacy.grad_sample_mode=hooks", "bf16=true"], ["backend=gloo"], USERS_BANDS[:2]):
+                 ["bf16=true"], ["privacy.grad_sample_mode=hooks", "bf16=true"], ["backend=gloo"], USERS_BANDS[:2],
+                 ["privacy.accountant=rdp", "shard=global"]):  # one process: no parallel Poisson
         assert len(check_args(args)) == 1, args
 
 
