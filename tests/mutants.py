@@ -375,6 +375,23 @@ MUTANTS = (
            "infinity_mass = _TAIL_MASS - math.expm1(n * math.log1p(-dense._infinity_mass))",
            "infinity_mass = dense._infinity_mass",
            ("tests/test_accounting.py::test_step_pld_self_composes_bit_for_bit_as_dp_accounting",)),
+    Mutant("correlated-noise-with-dp-adamw", "DP-AdamBC subtracts independent noise of std sigma C / B from bandmf's "
+           "correlated noise, whose std varies with t: not refused", "workbench/job.py",
+           'if kind != "dpsgd":  # its std is not sigma C / B', "if False:  #",
+           ("tests/test_refusals_up_front.py::test_a_combination_the_config_decides_is_refused_by_the_up_front_check"
+            "[optimizer=dp_adamw-privacy.mechanism=bandmf]",)),
+    Mutant("typed-default-dropped", "a value the user typed for a replaced _target_ is dropped because it equals the "
+           "replaced option's default", "workbench/config.py", ' and f"{path}.{key}" not in typed:', ":",
+           ("tests/test_refusals_up_front.py::test_a_typed_value_equal_to_the_replaced_options_default_is_passed"
+            "[model=mlp-model.in_features]",)),
+    Mutant("every-rank-prints-its-refusal", "under torchrun every rank prints the refusal (one line per rank)",
+           "workbench/__main__.py", 'if _rank() not in (None, "", "0"):', "if False:",
+           ("tests/test_refusals_up_front.py::test_a_rank_above_0_refuses_in_silence_and_says_it_only_when_rank_0_did_"
+            "not",)),
+    Mutant("bands-refused-after-the-model", "b B / N > 1 refused only by the plan, after the users' line, the model "
+           "and the data check", "workbench/job.py", "    if cfg.privacy.enabled:  # the mechanism's recut",
+           "    if False:  #",
+           ("tests/test_refusals_up_front.py::test_too_many_bands_for_the_users_is_refused_before_the_model_is_built",)),
 )
 
 

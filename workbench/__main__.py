@@ -1,8 +1,9 @@
 """``python -m workbench [overrides]``: compose the config with Hydra and hand it to the launcher.
 
 Bad input gets one ``error:`` line and exit code 2 before any work: the overrides are composed and validated (every
-point of a sweep) before Hydra's app starts, so a refused config leaves no run folder; a refusal that needs the data
-(found by the pre-run check inside the job) removes the folder Hydra made for it.
+point of a sweep, and every combination the config alone decides: workbench/job.py's refuse_unsupported) before Hydra's
+app starts, so a refused config leaves no run folder; a refusal that needs the data (found by the pre-run check inside
+the job) removes the folder Hydra made for it. Under torchrun or srun only rank 0 prints the line; every rank exits 2.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ if __name__ == "__main__":  # the CLI's process only, not one that imports this 
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -30,10 +32,31 @@ config.register()
 _STARTED = time.time()  # files older than this are not this job's to remove
 
 
+def _rank() -> str | None:
+    """This process's rank under torchrun or srun (None: a single process)."""
+    return os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
+
+
+# How long a rank > 0 that refused waits, under torchrun, for rank 0 to end the job (torchrun stops the other ranks
+# within about a second of a rank's exit); past it, rank 0 did not refuse alike, and this rank says why itself.
+PEER_REFUSAL_WAIT_S = 30.0
+
+
 def refuse(error: WorkbenchError) -> None:
-    """One line; exit 2 for bad input, 1 for a run that started and had to stop."""
-    print("error: " + " ".join(str(error).split()), file=sys.stderr, flush=True)
-    sys.exit(1 if isinstance(error, TrainingStopped) else 2)
+    """One line; exit 2 for bad input, 1 for a run that started and had to stop. Under torchrun or srun every rank
+    refuses alike (the config's checks, and the job's, are the same on every rank): rank 0 says it, the others stay
+    quiet. Under torchrun they wait for it to stop them, so that none leaves first and has rank 0 stopped before it has
+    said why."""
+    code = 1 if isinstance(error, TrainingStopped) else 2
+    line = "error: " + " ".join(str(error).split())
+    if _rank() not in (None, "", "0"):
+        if not os.environ.get("TORCHELASTIC_RUN_ID"):
+            sys.exit(code)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop ends this rank where it waits
+        time.sleep(PEER_REFUSAL_WAIT_S)
+        line = f"error: rank {_rank()}: " + line.removeprefix("error: ")
+    print(line, file=sys.stderr, flush=True)
+    sys.exit(code)
 
 
 @hydra.main(version_base="1.3", config_path=str(config.CONF_DIR), config_name="config")
@@ -156,15 +179,15 @@ def check_args(argv: Sequence[str]) -> list[DictConfig]:
     for point in points:
         cfg = compose(point)
         config.validate(cfg)
-        from workbench.privacy.mechanism import check_settings  # torch: imported once the config is read
-        check_settings(cfg)
+        from workbench.job import refuse_unsupported  # torch: imported once the config is read
+        refuse_unsupported(cfg)
         configs.append(cfg)
     return configs
 
 
 def _non_zero_rank_overrides() -> list[str]:
     """Under torchrun/srun every rank runs this entry point; only rank 0 gets a Hydra run folder and log file."""
-    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
+    rank = _rank()
     if rank in (None, "", "0") or "-m" in sys.argv[1:] or "--multirun" in sys.argv[1:]:
         return []
     return ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.run.dir=."]
@@ -173,7 +196,7 @@ def _non_zero_rank_overrides() -> list[str]:
 def _prestart_tracking(configs: list[DictConfig]) -> None:
     """One job whose rank 0 tracks: its MLflow worker process starts now, importing MLflow on another core while this
     one imports torch and builds the job (workbench.tracking.worker.WorkerStore)."""
-    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
+    rank = _rank()
     multirun = "-m" in sys.argv[1:] or "--multirun" in sys.argv[1:]  # its driver tracks in process (workbench.sweep)
     if len(configs) == 1 and not multirun and rank in (None, "", "0") and configs[0].tracking.enabled:
         from workbench.tracking.uris import tracking_uri

@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from hydra.errors import HydraException
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from workbench import config
@@ -35,7 +35,8 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
             cfg = hydra_compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
         except (HydraException, OmegaConfBaseException, ValueError) as e:
             raise WorkbenchError(_one_line(e, overrides)) from None
-    config.record_choices(cfg, cfg.hydra.runtime.choices)  # as the CLI does: tags, and each group's option
+    overrides = OmegaConf.to_container(cfg.hydra.overrides.task)  # as typed: ${...} left unresolved
+    config.record_choices(cfg, cfg.hydra.runtime.choices, overrides)  # as the CLI does: tags, each group's option
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg
@@ -54,7 +55,7 @@ def _one_line(e: Exception, overrides: Sequence[str]) -> str:
     cause = e.__cause__
     if isinstance(cause, ConfigKeyError) or isinstance(cause, ConfigAttributeError):
         key = cause.full_key
-        if key.split(".")[0] in ("data", "model", "optimizer", "criterion") or key.startswith(("tracking.tags.", "launcher.additional_parameters.")):
+        if key.split(".")[0] in config.USER_OBJECTS or key.startswith(("tracking.tags.", "launcher.additional_parameters.")):
             return f"{key} is not set in this config; add it with +{key}=... (a free-form node takes new keys)"
         return str(config.unknown_key(key))
     if isinstance(cause, ValidationError):

@@ -195,14 +195,17 @@ def resolve_backend(name: str) -> str:
     return name
 
 
+def device_type(backend: str) -> str:
+    """The kind of device a (resolved) backend's ranks compute on."""
+    return {"nccl": "cuda", "xccl": "xpu"}.get(backend, "cpu")
+
+
 def device_for(backend: str, local_rank: int) -> torch.device:
     """One process per device: the local rank picks it."""
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    if backend == "xccl":
-        return torch.device("xpu", local_rank)
-    return torch.device("cpu")
+    kind = device_type(backend)
+    return torch.device(kind, local_rank) if kind != "cpu" else torch.device("cpu")
 
 
 class Dist:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from hydra._internal.utils import _locate  # what instantiate locates a _target_ with (get_object also logs its error)
 from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig
 from torch import nn
@@ -29,6 +30,7 @@ from workbench.models import hf
 from workbench.models.fixing import prepare_model
 from workbench.privacy import mechanism, sampling
 from workbench.privacy import users
+from workbench.privacy.clipping.opacus_modes import EW_MIXED_PRECISION
 from workbench.privacy.mechanism import Mechanism
 from workbench.step import CHECK_EXAMPLES, GradientStep
 from workbench.user_step import UserGradientStep
@@ -155,31 +157,56 @@ def build_model(cfg: DictConfig) -> tuple[nn.Module, list[str]]:
     return prepare_model(model, cfg.privacy.enabled, cfg.privacy.fix_model)
 
 
-def _takes_noise_std(make_optimizer: Any, cfg: DictConfig) -> bool:
-    """Whether the optimizer takes the run's noise std (``noise_std``: DP-AdamBC, workbench/optim.py); refused in one
-    line without privacy, or when the config sets it (it is the mechanism's)."""
+def _takes_noise_std(make_optimizer: Any) -> bool:
+    """Whether the optimizer takes the run's noise std (``noise_std``: DP-AdamBC, workbench/optim.py)."""
     try:
-        takes = "noise_std" in inspect.signature(make_optimizer).parameters
+        return "noise_std" in inspect.signature(make_optimizer).parameters
     except (TypeError, ValueError):
         return False
-    if takes and "noise_std" in getattr(make_optimizer, "keywords", {}):
-        raise WorkbenchError("optimizer.noise_std is set from the run's mechanism (sigma C / B); remove it from the config")
-    if takes and not cfg.privacy.enabled:
-        raise WorkbenchError(f"optimizer {cfg.optimizer.get('_target_')} corrects for the DP noise and needs privacy; "
-                             "use privacy=dp, or optimizer=sgd (or torch.optim.AdamW) for a non-private run")
-    return takes
 
 
-def _autocast_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype | None:
-    if cfg.fp16 and device.type != "cuda":
-        raise WorkbenchError(f"fp16=true needs CUDA (this job runs on {device.type}); use bf16=true")
+def _autocast_dtype(cfg: DictConfig, device_type: str) -> torch.dtype | None:
+    if cfg.fp16 and device_type != "cuda":
+        raise WorkbenchError(f"fp16=true needs CUDA (this job runs on {device_type}); use bf16=true")
     return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else None
+
+
+def refuse_unsupported(cfg: DictConfig) -> None:
+    """Refuse, in one line, what the config alone decides no run supports: a mechanism's unsupported settings or
+    accountant (privacy/mechanism.py's check_settings), an optimizer that corrects for independent noise where there is
+    none, a backend or precision this machine lacks (when the job runs on it), ew in mixed precision. The one place for
+    these refusals: asked by the CLI before Hydra's app makes a folder, by launch and by train, before any data is
+    read; from the config alone, so alike on every rank. What needs the data (b B / N, a batch larger than the data)
+    is refused by build as soon as the shard is known."""
+    p = cfg.privacy
+    mechanism.check_settings(cfg, planned_world_size(cfg))
+    if cfg.launcher.name != "slurm":  # the job runs on this machine: its backend and device are known here
+        _autocast_dtype(cfg, distributed.device_type(distributed.resolve_backend(cfg.ddp_backend)))
+    if p.enabled and p.grad_sample_mode == "ew" and (cfg.bf16 or cfg.fp16):  # auto's own pick: the step refuses it
+        raise WorkbenchError(EW_MIXED_PRECISION)
+    node = config.own_arguments(cfg, "optimizer")
+    target = node.get("_target_") if isinstance(node, DictConfig) else None
+    try:
+        make_optimizer = _locate(target) if isinstance(target, str) else None
+    except Exception as e:  # noqa: BLE001 - Hydra's error names the missing module or attribute
+        raise WorkbenchError(f"could not build optimizer: {' '.join(str(e).split())[:500]}") from None
+    if make_optimizer is None or not _takes_noise_std(make_optimizer):
+        return
+    if "noise_std" in node:
+        raise WorkbenchError("optimizer.noise_std is set from the run's mechanism (sigma C / B); remove it from the config")
+    if not p.enabled:
+        raise WorkbenchError(f"optimizer {target} corrects for the DP noise and needs privacy; use privacy=dp, or "
+                             "optimizer=sgd (or torch.optim.AdamW) for a non-private run")
+    kind, _ = mechanism.mechanism_kind(p, cfg.ddp_shard)
+    if kind != "dpsgd":  # its std is not sigma C / B: (C^-1 C^-T)_tt varies with t
+        raise WorkbenchError(f"optimizer {target} corrects for independent noise of std sigma C / B; "
+                             f"privacy.mechanism={kind}'s noise is correlated: use optimizer=sgd or torch.optim.AdamW")
 
 
 def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None, extra_callbacks: list) -> Job:
     """Build this rank's job from `cfg`; everything that can be refused is refused here, alike on every rank."""
     torch.manual_seed(cfg.seed)
-    autocast_dtype = _autocast_dtype(cfg, d.device)
+    autocast_dtype = _autocast_dtype(cfg, d.device.type)
     user_train_set, train_set, canaries = training_sets(cfg)
     user_train_set, index = user_index(cfg, user_train_set, canaries)  # unit=user: with the audit's canary users
     train_set = canaries.dataset if canaries else user_train_set
@@ -195,8 +222,10 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
         shard = sampling.train_shard(n, d.rank, d.world_size, cfg.ddp_shard, cfg.per_device_train_batch_size)
     else:
         shard = users.user_shard(index, d.rank, d.world_size, cfg.ddp_shard, cfg.per_device_train_batch_size)
-        if d.is_main:  # the data check's line (console only: read from the raw data)
-            print(index.describe(), flush=True)
+    if cfg.privacy.enabled:  # the mechanism's recut (b B / N <= 1): refused before any line, model or data check
+        mechanism.recut(cfg.privacy, shard, cfg.ddp_shard, d.world_size)
+    if index is not None and d.is_main:  # the data check's line (console only: read from the raw data)
+        print(index.describe(), flush=True)
     if shard.dropped:
         what = "users" if index is not None else "training examples"
         warnings.warn(f"ddp_shard=per_rank drops {shard.dropped} of {len(index) if index is not None else n} {what} "
@@ -212,8 +241,8 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
         for t in model.state_dict().values():
             torch.distributed.broadcast(t, 0)
     criterion = _instantiate(cfg.criterion, "criterion", reduction="none")
-    make_optimizer = _instantiate(cfg.optimizer, "optimizer")  # refused here, before the seconds of noise calibration
-    wants_noise = _takes_noise_std(make_optimizer, cfg)
+    make_optimizer = _instantiate(config.own_arguments(cfg, "optimizer"), "optimizer")
+    wants_noise = _takes_noise_std(make_optimizer)  # with privacy and dpsgd only (refuse_unsupported)
     metrics_fn = compute_metrics or _compute_metrics(cfg.compute_metrics)
     for split, dataset in (("train", user_train_set), ("eval", eval_set)):  # the user's data, before any canaries
         if dataset is not None:
@@ -247,9 +276,6 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
             min(d.all_gather_object(step_fn.max_physical_batch_size)) if d.distributed else step_fn.max_physical_batch_size
         if d.is_main:
             print(f"max_physical_batch_size=auto: {step_fn.max_physical_batch_size} examples per micro-batch", flush=True)
-    if wants_noise and plan.strategy is not None:  # its std is not sigma C / B: (C^-1 C^-T)_tt varies with t
-        raise WorkbenchError(f"optimizer {cfg.optimizer.get('_target_')} corrects for independent noise of std sigma C / B; "
-                             f"privacy.mechanism={plan.kind}'s noise is correlated: use optimizer=sgd or torch.optim.AdamW")
     # An optimizer that corrects for the noise (workbench/optim.py) is told its std per coordinate: sigma C / B.
     noise = {"noise_std": plan.noise_multiplier * plan.max_grad_norm / plan.expected_batch} if wants_noise else {}
     optimizer = make_optimizer(step_fn.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, **noise)

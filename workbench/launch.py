@@ -36,8 +36,8 @@ def hydra_context(cfg: DictConfig) -> None:
         hc = HydraConfig.get()
     except ValueError:
         return
-    config.record_choices(cfg, hc.runtime.choices)  # "hydra/data" = the data group's choice
     overrides = [o for o in hc.overrides.task if not o.startswith(("hydra.", "hydra/"))]
+    config.record_choices(cfg, hc.runtime.choices, overrides)  # "hydra/data" = the data group's choice
     if overrides:
         with open_dict(cfg):
             cfg.tracking.tags.setdefault("overrides", scrub(" ".join(overrides)))
@@ -47,8 +47,8 @@ def hydra_context(cfg: DictConfig) -> None:
 
 def launch(cfg: DictConfig) -> Any:
     config.validate(cfg)
-    from workbench.privacy.mechanism import check_settings  # torch: imported once the config is read
-    check_settings(cfg)
+    from workbench.job import refuse_unsupported  # torch: imported once the config is read
+    refuse_unsupported(cfg)
     hydra_context(cfg)
     if cfg.launcher.name == "inline":
         from workbench.run import train

@@ -22,7 +22,7 @@ from workbench.data.checks import blame_example
 from workbench.errors import TrainingStopped, WorkbenchError
 from workbench.evaluation import Evaluator
 from workbench.interrupt import Interrupted, ignore_further, signals_interrupt
-from workbench.job import Job, build, build_model
+from workbench.job import Job, build, build_model, refuse_unsupported
 from workbench.models import hf
 from workbench.privacy.accounting.tradeoff import membership_bounds
 from workbench.tracking.runs import NOTE_TAG, git_sha, source_tags
@@ -95,8 +95,7 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: l
     called once the job has ended, however it ended, where it made an MLflow run (rank 0); what launches the job
     passes it (a sweep's point summarises its sweep, workbench/sweep/), so the job never imports the layers above."""
     config.validate(cfg)
-    from workbench.privacy.mechanism import check_settings  # torch: imported once the config is read
-    check_settings(cfg)
+    refuse_unsupported(cfg)
     with signals_interrupt():
         return _train(cfg, compute_metrics, callbacks, on_end)
 

@@ -29,6 +29,7 @@ from workbench.errors import WorkbenchError
 from workbench.models.losses import logits_of
 from workbench.privacy import clipping
 from workbench.privacy.clipping.adaptive import AdaptiveClip, FixedClip
+from workbench.privacy.clipping.opacus_modes import EW_MIXED_PRECISION
 from workbench.privacy.correlated import correlated_noise
 from workbench.privacy.noise import CountNoise, GaussianNoise
 
@@ -118,8 +119,7 @@ class GradientStep:
         self.mode_note = ""
         self._make(self.candidates[0] if self.candidates else self.mode)
         if self.private and autocast_dtype is not None and self.mode == "ew":
-            raise WorkbenchError(f"grad_sample_mode={self.mode} cannot run in mixed precision: its clipped sum is not "
-                                 "computed from the per-sample gradients its norms were; use bk or hooks")
+            raise WorkbenchError(EW_MIXED_PRECISION)
         numel = sum(p.numel() for p in self.params)
         device = self.params[0].device
         if autocast_dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():

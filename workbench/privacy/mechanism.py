@@ -127,14 +127,9 @@ def plan(p: Any, shard: Shard, shard_mode: str, world_size: int, steps: int, uni
     if not p.enabled:
         return Mechanism(shard, shard_mode, world_size, steps)
     kind, bands = mechanism_kind(p, shard_mode)
-    if kind == "bandmf":
-        shard = banded_shard(shard, bands, world_size)
-    if kind == "blt":
-        shard = fixed_batch_shard(shard, world_size)
+    shard = recut(p, shard, shard_mode, world_size)
     delta = p.target_delta if p.target_delta is not None else default_delta(shard.population)
     notes = validate_privacy_args(p.target_epsilon, delta, p.noise_multiplier, p.max_grad_norm, shard.population)
-    if p.noise_multiplier == 0:
-        raise WorkbenchError("privacy.noise_multiplier=0 gives no privacy; use privacy.enabled=false for a non-private run")
     if kind == "blt":
         return _plan_blt(p, shard, shard_mode, world_size, steps, delta, notes, bands)
     # bandmf's T steps cost DP-SGD's ceil(T / b) (accounting/banded.py): calibrated as those, same accountant
@@ -204,23 +199,41 @@ def _blt_params(buffers: int, steps: int, min_sep: int) -> list[list[float]]:
     return [list(blt.buf_decay), list(blt.output_scale)]
 
 
-def check_settings(cfg: Any) -> None:
+def recut(p: Any, shard: Shard, shard_mode: str, world_size: int) -> Shard:
+    """The shard the mechanism of privacy settings ``p`` samples from: bandmf's b equal cyclic parts, blt's fixed
+    batches, dpsgd's as it is. Refuses, in one line, a shard too small for them (b B / N > 1, say): the job asks it as
+    soon as the shard is known, before the model, the data check or the calibration."""
+    kind, bands = mechanism_kind(p, shard_mode)
+    if kind == "bandmf":
+        return banded_shard(shard, bands, world_size)
+    if kind == "blt":
+        return fixed_batch_shard(shard, world_size)
+    return shard
+
+
+def check_settings(cfg: Any, world_size: int = 1) -> None:
     """Refuse, before any work, a config whose mechanism is unknown or does not support its settings (what
-    config.validate cannot ask from the layer below this one)."""
+    config.validate cannot ask from the layer below this one), nor its accountant the job's ``world_size`` and shard
+    mode (the accountant's own refusal, asked as calibration asks it)."""
     p = cfg.privacy
     if p.enabled:
-        mechanism_kind(p, cfg.ddp_shard)
+        kind, _ = mechanism_kind(p, cfg.ddp_shard)
+        if kind == "dpsgd":
+            Accountant(p.accountant, 1.0, 1.0, world_size, cfg.ddp_shard)
     elif p.get("mechanism", "dpsgd") not in MECHANISMS:
         raise WorkbenchError(f"privacy.mechanism={p.mechanism!r} is unknown; choose one of {', '.join(MECHANISMS)}")
 
 
 def mechanism_kind(p: Any, shard_mode: str) -> tuple[str, int]:
-    """(privacy.mechanism, b or d) of privacy settings ``p``, refusing in one line what is unknown or not accounted:
-    the one place for these refusals (config.validate's callers ask it before any work; plan asks it again)."""
+    """(privacy.mechanism, b or d) of privacy settings ``p``, refusing in one line what is unknown, gives no privacy or
+    is not accounted: the one place for these refusals (config.validate's callers ask it before any work; plan asks it
+    again)."""
     get = p.get if hasattr(p, "get") else lambda k, d=None: getattr(p, k, d)
     kind = get("mechanism", "dpsgd")
     if kind not in MECHANISMS:
         raise WorkbenchError(f"privacy.mechanism={kind!r} is unknown; choose one of {', '.join(MECHANISMS)}")
+    if get("noise_multiplier") == 0:
+        raise WorkbenchError("privacy.noise_multiplier=0 gives no privacy; use privacy.enabled=false for a non-private run")
     if kind == "dpsgd":
         return kind, 1
     key, what = ("num_bands", "cyclic Poisson") if kind == "bandmf" else ("blt_buffers", "fixed batches")

@@ -20,6 +20,8 @@ from workbench.errors import WorkbenchError
 GHOST_REFUSAL = ("grad_sample_mode=ghost is refused: Opacus' ghost norms are float32 Gram sums computed from other "
                  "numbers than its clipped sum, so rounding can release an example far above C; use bk (one backward, "
                  "no per-sample gradients, a certified bound) or auto")
+EW_MIXED_PRECISION = ("grad_sample_mode=ew cannot run in mixed precision: its clipped sum is not computed from the "
+                      "per-sample gradients its norms were; use bk or hooks")  # the step's refusal, and job.py's up front
 
 
 class _Checked(Strategy):
