@@ -375,6 +375,16 @@ MUTANTS = (
            "infinity_mass = _TAIL_MASS - math.expm1(n * math.log1p(-dense._infinity_mass))",
            "infinity_mass = dense._infinity_mass",
            ("tests/test_accounting.py::test_step_pld_self_composes_bit_for_bit_as_dp_accounting",)),
+    Mutant("noise-seed-without-the-secret", "the noise stream is seeded from the public seed alone: whoever reads the "
+           "config can subtract the noise (runs still differ, through the secret batch stream)", "workbench/job.py",
+           "step_fn.noise_seed = sampling.stream_seed(secret, cfg.seed)",
+           "step_fn.noise_seed = sampling.stream_seed(0, cfg.seed)",
+           tuple(f"tests/test_noise.py::test_the_noise_depends_on_the_secret_not_only_on_the_public_seed[{m}]"
+                 for m in ("dpsgd", "bandmf", "blt", "adaptive"))),
+    Mutant("count-noise-seed-public", "adaptive clipping's count noise is drawn from a public stream: the released "
+           "count, hence C_t, can be de-noised by whoever reads the config", "workbench/privacy/noise.py",
+           "step_generator(self.seed, 0, step, stream=COUNT_NOISE_STREAM", "step_generator(0, 0, step, stream=COUNT_NOISE_STREAM",
+           ("tests/test_noise.py::test_the_noise_depends_on_the_secret_not_only_on_the_public_seed[adaptive]",)),
 )
 
 
