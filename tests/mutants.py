@@ -385,6 +385,18 @@ MUTANTS = (
            "count, hence C_t, can be de-noised by whoever reads the config", "workbench/privacy/noise.py",
            "step_generator(self.seed, 0, step, stream=COUNT_NOISE_STREAM", "step_generator(0, 0, step, stream=COUNT_NOISE_STREAM",
            ("tests/test_noise.py::test_the_noise_depends_on_the_secret_not_only_on_the_public_seed[adaptive]",)),
+    Mutant("profile-delta-read-a-cell-late", "the profile bound pairs each eps1 of its grid with delta_Q of the next "
+           "grid point (the optimistic side of the cell): sweep_epsilon_best below the claim it computes",
+           "workbench/privacy/accounting/selection.py", "for e1, d1 in zip(T_GRID, dq):",
+           "for e1, d1 in zip(T_GRID, np.append(dq[1:], 0.0)):",
+           ("tests/test_selection.py::test_the_profile_bound_rounds_up_and_is_within_a_percent_of_the_exact_claim"
+            "[poisson-3-1.0]",)),
+    Mutant("pld-rounds-optimistic", "the Gaussian PLD is discretised on the optimistic side: every delta (a sweep's "
+           "best-of-K bound included) below the mechanism's", "workbench/privacy/accounting/pld.py",
+           "sampling_prob=sampling_prob, adjacency_type=adjacency),\n            pessimistic_estimate=True",
+           "sampling_prob=sampling_prob, adjacency_type=adjacency),\n            pessimistic_estimate=False",
+           ("tests/test_selection.py::test_the_profile_bound_rounds_up_and_is_within_a_percent_of_the_exact_claim"
+            "[poisson-3-2.0]",)),
 )
 
 
