@@ -397,6 +397,16 @@ MUTANTS = (
            "sampling_prob=sampling_prob, adjacency_type=adjacency),\n            pessimistic_estimate=False",
            ("tests/test_selection.py::test_the_profile_bound_rounds_up_and_is_within_a_percent_of_the_exact_claim"
             "[poisson-3-2.0]",)),
+    Mutant("fp-kernel-count-quartered", "the clipped-sum kernels' rounding count is a quarter of the products they sum: "
+           "every kept and rows route's margin 4x too small", "workbench/privacy/clipping/layers.py",
+           "    return min(batch, c) * positions + calls * math.ceil(batch / c) + 2",
+           "    return (min(batch, c) * positions + calls * math.ceil(batch / c) + 2) // 4",
+           tuple(f"tests/test_fp_bound.py::test_each_clip_factor_leaves_room_for_an_independently_counted_rounding[{s}]" for s in ("linear_rows", "linear_seq_kept", "linear_seq_formed_norms",
+                                          "linear_seq_gram32"))),
+    Mutant("fp-materialised-margin-quartered", "formed per-sample gradients' margin for their sum is gamma_{batch+2} / 4",
+           "workbench/privacy/clipping/bound.py", "return b._replace(rel=b.rel + gamma(batch + 2)",
+           "return b._replace(rel=b.rel + gamma(batch + 2) / 4",
+           tuple(f"tests/test_fp_bound.py::test_each_clip_factor_leaves_room_for_an_independently_counted_rounding[{s}]" for s in ("materialised_hooks", "materialised_functorch"))),
 )
 
 
