@@ -392,6 +392,38 @@ MUTANTS = (
            "and the data check", "workbench/job.py", "    if cfg.privacy.enabled:  # the mechanism's recut",
            "    if False:  #",
            ("tests/test_refusals_up_front.py::test_too_many_bands_for_the_users_is_refused_before_the_model_is_built",)),
+    Mutant("noise-seed-without-the-secret", "the noise stream is seeded from the public seed alone: whoever reads the "
+           "config can subtract the noise (runs still differ, through the secret batch stream)", "workbench/job.py",
+           "step_fn.noise_seed = sampling.stream_seed(secret, cfg.seed)",
+           "step_fn.noise_seed = sampling.stream_seed(0, cfg.seed)",
+           tuple(f"tests/test_noise.py::test_the_noise_depends_on_the_secret_not_only_on_the_public_seed[{m}]"
+                 for m in ("dpsgd", "bandmf", "blt", "adaptive"))),
+    Mutant("count-noise-seed-public", "adaptive clipping's count noise is drawn from a public stream: the released "
+           "count, hence C_t, can be de-noised by whoever reads the config", "workbench/privacy/noise.py",
+           "step_generator(self.seed, 0, step, stream=COUNT_NOISE_STREAM", "step_generator(0, 0, step, stream=COUNT_NOISE_STREAM",
+           ("tests/test_noise.py::test_the_noise_depends_on_the_secret_not_only_on_the_public_seed[adaptive]",)),
+    Mutant("profile-delta-read-a-cell-late", "the profile bound pairs each eps1 of its grid with delta_Q of the next "
+           "grid point (the optimistic side of the cell): sweep_epsilon_best below the claim it computes",
+           "workbench/privacy/accounting/selection.py", "for e1, d1 in zip(T_GRID, dq):",
+           "for e1, d1 in zip(T_GRID, np.append(dq[1:], 0.0)):",
+           ("tests/test_selection.py::test_the_profile_bound_rounds_up_and_is_within_a_percent_of_the_exact_claim"
+            "[poisson-3-1.0]",)),
+    Mutant("pld-rounds-optimistic", "the Gaussian PLD is discretised on the optimistic side: every delta (a sweep's "
+           "best-of-K bound included) below the mechanism's", "workbench/privacy/accounting/pld.py",
+           "sampling_prob=sampling_prob, adjacency_type=adjacency),\n            pessimistic_estimate=True",
+           "sampling_prob=sampling_prob, adjacency_type=adjacency),\n            pessimistic_estimate=False",
+           ("tests/test_selection.py::test_the_profile_bound_rounds_up_and_is_within_a_percent_of_the_exact_claim"
+            "[poisson-3-2.0]",)),
+    Mutant("fp-kernel-count-quartered", "the clipped-sum kernels' rounding count is a quarter of the products they sum: "
+           "every kept and rows route's margin 4x too small", "workbench/privacy/clipping/layers.py",
+           "    return min(batch, c) * positions + calls * math.ceil(batch / c) + 2",
+           "    return (min(batch, c) * positions + calls * math.ceil(batch / c) + 2) // 4",
+           tuple(f"tests/test_fp_bound.py::test_each_clip_factor_leaves_room_for_an_independently_counted_rounding[{s}]" for s in ("linear_rows", "linear_seq_kept", "linear_seq_formed_norms",
+                                          "linear_seq_gram32"))),
+    Mutant("fp-materialised-margin-quartered", "formed per-sample gradients' margin for their sum is gamma_{batch+2} / 4",
+           "workbench/privacy/clipping/bound.py", "return b._replace(rel=b.rel + gamma(batch + 2)",
+           "return b._replace(rel=b.rel + gamma(batch + 2) / 4",
+           tuple(f"tests/test_fp_bound.py::test_each_clip_factor_leaves_room_for_an_independently_counted_rounding[{s}]" for s in ("materialised_hooks", "materialised_functorch"))),
 )
 
 

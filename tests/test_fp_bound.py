@@ -486,3 +486,132 @@ def test_an_examples_clip_factor_does_not_depend_on_how_many_others_were_drawn(m
     first = [float(f[0]) for f in factors[-3:]]
     assert first[0] < 1.0  # clipped: the factor carries the margins
     assert first[1] == pytest.approx(first[0], rel=1e-12) and first[2] == pytest.approx(first[0], rel=1e-12)
+
+
+# The margin's rounding count, from first principles (Higham, "Accuracy and Stability of Numerical Algorithms", 3.1):
+# a float32 sum of K products, in any order and blocking, FMA or not, is sum_k p_k (1 + theta_k), |theta_k| <= gamma_K,
+# gamma_K = K u / (1 - K u), u = 2^-24; each later rounding of the running value adds one to K. So what a kernel adds
+# for example i is within gamma_K S_i of f_i G_i (G_i its exact gradient, S_i = sum_t ||g_t|| ||a_t|| over the
+# products that make it), and the promise ||added|| <= C (1 + RHO) needs, whatever the rounding does,
+#     f_i (||G_i|| + gamma_K S_i) <= C (1 + RHO),
+# with K counted here from the shapes: a clipped-sum kernel over a chunk of m examples of T positions sums m T
+# products per entry (m = min(max_physical_batch_size, KERNEL_ROWS // T): chunks keep K public), then each of the
+# ceil(batch / m) chunk results is added into the buffer (one rounding each); formed per-sample gradients are summed
+# by one matrix-vector product over max_physical_batch_size rows and one add into the buffer (batch + 1). The factor
+# f_i the code gives is read off its clip_factors; G_i and S_i are computed here in float64.
+BATCH = 4096  # max_physical_batch_size: a deep kernel, so that gamma_K (~1e-4) dwarfs RHO (~1e-6)
+
+
+class _Seq(nn.Module):
+    """One bias-free Linear (d_in -> d_out) on T positions: example i's gradient is sum_t y_t x_t^T exactly, with the
+    criterion <out, y> (its output gradient is y itself)."""
+
+    def __init__(self, d_in: int, d_out: int, positions: int, conv: bool = False):
+        super().__init__()
+        self.d_in, self.positions, self.conv = d_in, positions, conv
+        self.layer = nn.Conv1d(d_in, d_out, 1, bias=False) if conv else nn.Linear(d_in, d_out, bias=False)
+
+    def forward(self, x):
+        x = x.view(len(x), self.positions, self.d_in)
+        if self.conv:  # the same products as a 1x1 convolution over T positions (ConvRule's kept routes)
+            return self.layer(x.transpose(1, 2)).transpose(1, 2)
+        return self.layer(x if self.positions > 1 else x[:, 0])
+
+
+def _inner(out, y):
+    return (out.reshape(len(out), -1) * y.reshape(len(out), -1)).sum(1)
+
+
+def _nearly_cancelling(positions: int, d_in: int, d_out: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One example whose position pairs (x, y), (-x + r/10, y) nearly cancel: S / ||G|| ~ 40, so the kernel's
+    rounding bound gamma_K S is a few tenths of a percent of the norm (below the float64 route's 2^-6 threshold)."""
+    g = torch.Generator().manual_seed(5)
+    half = max(1, positions // 2)
+    x = torch.randn(half, d_in, generator=g, dtype=torch.float64)
+    y = torch.randn(half, d_out, generator=g, dtype=torch.float64)
+    if positions > 1:
+        x = torch.cat([x, -x + torch.randn(half, d_in, generator=g, dtype=torch.float64) / 10])
+        y = torch.cat([y, y])
+    return (x * scale).float().reshape(1, -1), y.float().reshape(1, -1)
+
+
+def _independent_release_bound(x: torch.Tensor, y: torch.Tensor, positions: int, d_in: int, d_out: int,
+                               products_per_term: int) -> tuple[float, float]:
+    """||G|| and gamma_K S for the example (float64 from its float32 values)."""
+    from workbench.privacy.clipping.bound import U32
+
+    a, g = x.double().view(positions, d_in), y.double().view(positions, d_out)
+    exact = float((g.t() @ a).norm())
+    magnitude = float((g.norm(dim=1) * a.norm(dim=1)).sum())
+    k = products_per_term
+    return exact, k * U32 / (1 - k * U32) * magnitude
+
+
+SHAPES = {  # name -> (mode, positions, d_in, d_out, conv, {(rule class name, attribute): value}, how it sums)
+    "linear_rows": ("bk", 1, 64, 32, False, {}, "kernel"),
+    "linear_seq_kept": ("bk", 8, 64, 64, False, {}, "kernel"),
+    "linear_seq_formed_norms": ("bk", 8, 64, 64, False, {("LinearRule", "GRAM_COST"): math.inf}, "kernel"),
+    "linear_seq_gram32": ("bk", 8, 64, 64, False, {("LinearRule", "GRAM64_IF"): 0}, "kernel"),
+    "materialised_hooks": ("hooks", 4, 16, 16, False, {}, "formed"),
+    "materialised_functorch": ("functorch", 1, 64, 32, False, {}, "formed"),
+}
+
+
+def _gamma(k: int) -> float:
+    return k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_each_clip_factor_leaves_room_for_an_independently_counted_rounding(shape, monkeypatch):
+    """For every kernel shape the routes use, the factor an example gets is small enough for the worst rounding its
+    kernel may do, counted here from the shape: f (||G|| + gamma_K S) (1 + gamma_K') <= C (1 + RHO), where a
+    clipped-sum kernel (bk's rows and kept routes) has K = m T + ceil(batch / m) and K' = 0, and per-sample gradients
+    formed and then summed as they are (Opacus' modes) are clipped by their own norm (K = 0) and K' = batch + 1. A margin too small by a constant factor (or a count off by a factor) gives a larger factor than
+    that and fails, however tame the actual rounding of the input."""
+    import workbench.privacy.clipping.book_keeping as book_keeping
+    import workbench.privacy.clipping.layers as layers
+    import workbench.privacy.clipping.opacus_modes as opacus_modes
+    from workbench.privacy.clipping.rows import LinearRows
+
+    mode, positions, d_in, d_out, conv, overrides, sums = SHAPES[shape]
+    for (rule, name), value in overrides.items():
+        monkeypatch.setattr(getattr(layers, rule), name, value)
+    factors = []
+
+    def spying(real, returns_pair):
+        def spy(*args, **kwargs):
+            out = real(*args, **kwargs)
+            factor, rows = out if returns_pair else (out, None)
+            if factor is not None:
+                factors.append((factor.double().clone(), rows))
+            return out
+        return spy
+
+    for module in (book_keeping, opacus_modes):
+        monkeypatch.setattr(module, "clip_factors", spying(module.clip_factors, True))
+    monkeypatch.setattr(LinearRows, "add", spying(LinearRows.add, False))  # bk's lean path for Linear rows
+    torch.manual_seed(0)
+    model = _Seq(d_in, d_out, positions, conv)
+    step = GradientStep(model, _inner, setup("gloo"), max_grad_norm=CLIP, noise_multiplier=0.0,
+                        grad_sample_mode=mode, max_physical_batch_size=BATCH)
+    step.check((torch.randn(4, positions * d_in), torch.randn(4, positions * d_out)))
+    if sums == "kernel":
+        x, y = _nearly_cancelling(positions, d_in, d_out, scale=1.0)
+    else:  # formed gradients are clipped by their own norm, which holds their formation's rounding: inputs that do not
+        # cancel keep it within a few u of ||G|| (the code's other margins, ~1e-5, cover that)
+        x, y = torch.randn(1, positions * d_in), torch.randn(1, positions * d_out)
+    exact, _ = _independent_release_bound(x, y, positions, d_in, d_out, 1)
+    x = (x.double() * (10 * CLIP / exact)).float()  # ||G|| ~ 10 C: clipped
+    factors.clear()
+    released = _released(step, x, y)
+    (factor, rows), = factors
+    assert rows is None or not bool(rows[0]), "the example took the float64 route: nothing of the margin is measured"
+    if sums == "kernel":
+        chunk = min(BATCH, max(1, layers.KERNEL_ROWS // positions))
+        formed, summed = chunk * positions + math.ceil(BATCH / chunk), 0
+    else:
+        formed, summed = 0, BATCH + 1
+    exact, rounding = _independent_release_bound(x, y, positions, d_in, d_out, formed)
+    f = float(factor[0])
+    assert 0 < f < 1 and float(released.norm()) <= CLIP * (1 + RHO)
+    assert f * (exact + rounding) * (1 + _gamma(summed)) <= CLIP * (1 + RHO), (shape, f, exact, rounding)
