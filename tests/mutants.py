@@ -375,6 +375,11 @@ MUTANTS = (
            "infinity_mass = _TAIL_MASS - math.expm1(n * math.log1p(-dense._infinity_mass))",
            "infinity_mass = dense._infinity_mass",
            ("tests/test_accounting.py::test_step_pld_self_composes_bit_for_bit_as_dp_accounting",)),
+    Mutant("mia-bound-overflows-to-nan", "the membership-inference bounds take e^eps and e^-L apart: past a loss of 709 "
+           "(tiny sigma) inf * 0 publishes NaN", "workbench/privacy/accounting/tradeoff.py",
+           "lower += sign * np.exp(eps + log_sums[first])", "lower += sign * np.exp(eps) * np.exp(log_sums[first])",
+           ("tests/test_tradeoff.py::test_the_bounds_are_finite_for_every_sigma_and_tend_to_their_limit",
+            "tests/test_tradeoff.py::test_a_run_that_draws_every_example_tends_to_a_bound_of_one")),
 )
 
 
