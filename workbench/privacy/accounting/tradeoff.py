@@ -5,8 +5,8 @@ example. Its false-positive rate alpha (saying "member" about a non-member) and 
 about a member) are limited by the mechanism's f-DP trade-off function f (Dong, Roth & Su, "Gaussian Differential
 Privacy", JRSS-B 2022, arXiv:1905.02383): every test has TPR <= 1 - f(alpha).
 
-**From the privacy profile to f.** The run is (eps, delta(eps))-DP for every eps >= 0 under add-or-remove adjacency,
-with delta(eps) = max(delta_remove(eps), delta_add(eps)), the hockey-stick divergences of the two directions of the
+**From the privacy profile to f.** The run is (eps, delta(eps))-DP for every eps >= 0 under its neighbouring relation
+(Mechanism.adjacency), with delta(eps) = max(delta_remove(eps), delta_add(eps)), the hockey-stick divergences of the two directions of the
 PLD (``PrivacyLossDistribution.get_delta_for_epsilon`` takes the same max). A whole profile is equivalent to f-DP with
 (DRS19, Proposition 2.12; each (eps, delta)-DP statement is f_{eps,delta}-DP, Proposition 2.5)
 
