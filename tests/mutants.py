@@ -424,6 +424,24 @@ MUTANTS = (
            "workbench/privacy/clipping/bound.py", "return b._replace(rel=b.rel + gamma(batch + 2)",
            "return b._replace(rel=b.rel + gamma(batch + 2) / 4",
            tuple(f"tests/test_fp_bound.py::test_each_clip_factor_leaves_room_for_an_independently_counted_rounding[{s}]" for s in ("materialised_hooks", "materialised_functorch"))),
+    Mutant("mia-bound-overflows-to-nan", "the membership-inference bounds take e^eps and e^-L apart: past a loss of 709 "
+           "(tiny sigma) inf * 0 publishes NaN", "workbench/privacy/accounting/tradeoff.py",
+           "lower += sign * np.exp(eps + log_sums[first])", "lower += sign * np.exp(eps) * np.exp(log_sums[first])",
+           ("tests/test_tradeoff.py::test_the_bounds_are_finite_for_every_sigma_and_tend_to_their_limit",
+            "tests/test_tradeoff.py::test_a_run_that_draws_every_example_tends_to_a_bound_of_one")),
+    Mutant("add-or-remove-claimed-for-every-dpsgd", "a per_rank run on W > 1 ranks (its tail cut by index) is tagged "
+           "add-or-remove, which its sampler does not give", "workbench/privacy/mechanism.py",
+           'self.kind == "dpsgd" and (self.shard_mode == "global" or self.world_size == 1)', 'self.kind == "dpsgd"',
+           ("tests/test_adjacency.py::test_add_or_remove_is_claimed_exactly_where_removing_an_example_leaves_the_"
+            "others_as_they_were[dpsgd-per_rank-2]",)),
+    Mutant("random-stopping-with-a-pinned-secret", "random stopping's trials run on a pinned secure_seed: a point drawn "
+           "twice repeats its batches and noise, not the independent trials the bound assumes", "workbench/config.py",
+           'OmegaConf.select(cfg, "sweep.tuning") == "random_stopping" and', 'OmegaConf.select(cfg, "sweep.tuning") == "" and',
+           ("tests/test_sweeps.py::test_a_random_stopping_sweep_with_a_pinned_secret_is_refused_before_any_work",)),
+    Mutant("best-only-epsilon-claims-k-and-the-table", "the parent labels K, the table and the frontier as covered by "
+           "the best-only epsilon", "workbench/sweep/summary.py", "that run's model and metrics; K stays hidden, so nothing else here",
+           "that run's model and metrics, points, points_finished, points_failed, sweep_table.csv, frontier.png",
+           ("tests/test_sweeps.py::test_random_stopping_sweep_trains_the_drawn_trials_and_reports_the_bound",)),
 )
 
 

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import run_cli
 from workbench import compose, explore, job, run, sweep
+from workbench.errors import WorkbenchError
 from workbench.privacy.accounting import tuning
 from workbench.privacy import Accountant
 
@@ -71,6 +72,11 @@ def test_multirun_parent_summarises_the_sweep_and_its_cost(tmp_path):
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("sweep done: 3 points (3 FINISHED, 0 FAILED)") and parent.info.run_id in last
     assert "sweep_epsilon_all=" in last and "best eval_accuracy=" in last
+    # what the parent shows, and under which epsilon: every point published, so everything is the composition's
+    assert parent.data.tags["privacy_adjacency"] == "add-or-remove one example"  # its points' own (one process)
+    assert "sweep_epsilon_best_covers" not in parent.data.tags
+    assert "sweep_table.csv" in parent.data.tags["sweep_epsilon_all_covers"]
+    assert f"covered by sweep_epsilon_all={m['sweep_epsilon_all']:.3f}" in parent.data.tags["mlflow.note.content"]
 
 
 @pytest.mark.slow
@@ -209,6 +215,39 @@ def test_random_stopping_sweep_trains_the_drawn_trials_and_reports_the_bound(tmp
     assert m["sweep_epsilon_best_profile"] == pytest.approx(tuning.profile_epsilon(runs, *args))
     assert m["sweep_epsilon_best"] == min(m["sweep_epsilon_best_rdp"], m["sweep_epsilon_best_profile"])
     assert "sweep_notes" not in parents[0].data.tags  # learning rates: one mechanism, every point bounded
+    # The best-of-K bound covers the best trial's result alone, K hidden: K (the counts), the table, the frontier and
+    # the other trials are labelled as the composition's, in the tags and in the run's description.
+    tags = parents[0].data.tags
+    best_fields = {"best_eval_accuracy", "best_eval_accuracy_run_id", "best_eval_accuracy_overrides"}
+    assert best_fields <= set(tags) | set(m) and all(f in tags["sweep_epsilon_best_covers"] for f in best_fields)
+    for published in ("points", "points_finished", "points_failed", "sweep_table.csv", "frontier.png", "trial tags"):
+        assert published not in tags["sweep_epsilon_best_covers"] and published in tags["sweep_epsilon_all_covers"]
+    note = tags["mlflow.note.content"]
+    assert f"under sweep_epsilon_best={m['sweep_epsilon_best']:.3f}" in note
+    assert f"K, the counts, the table, the frontier and the other trials are covered by sweep_epsilon_all=" \
+           f"{m['sweep_epsilon_all']:.3f} only" in note
+    assert tags["privacy_adjacency"] == "add-or-remove one example"
+
+
+def test_a_random_stopping_sweep_with_a_pinned_secret_is_refused_before_any_work(tmp_path, monkeypatch):
+    """Its trials would repeat one stream (not the independent trials the bound assumes): one line, exit 2, no store,
+    no folder; explore.sweep refuses before it makes anything too, also when only a point pins the secret."""
+    proc = run_cli("-m", "experiment=quick", "sweep.tuning=random_stopping", "privacy.secure_seed=123456789",
+                   "learning_rate=0.3,0.6", "disable_tqdm=true", cwd=tmp_path,
+                   env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert "sweep.tuning=random_stopping with a pinned privacy.secure_seed" in proc.stderr
+    assert "123456789" not in proc.stderr and sorted(p.name for p in tmp_path.iterdir()) == []
+    monkeypatch.chdir(tmp_path)
+    common = ["experiment=quick", "disable_tqdm=true", f"tracking.uri=sqlite:///{tmp_path / 'nb.db'}",
+              "sweep.tuning=random_stopping"]
+    for points, extra in (([["learning_rate=0.3"]], ["privacy.secure_seed=5"]),
+                          ([["learning_rate=0.3"], ["privacy.secure_seed=5"]], [])):
+        with pytest.raises(WorkbenchError, match="pinned privacy.secure_seed"):
+            explore.sweep(points, [*common, *extra], sweep_dir=tmp_path / "sweep")
+        assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert compose([*common[:2], "privacy.secure_seed=5"]).sweep.tuning == "all"  # tuning=all keeps it (one stream each)
 
 
 def test_random_stopping_bounds_every_point_of_the_grid_drawn_or_not(tmp_path, monkeypatch):

@@ -89,6 +89,73 @@ def test_deltas_equal_dp_accounting():
         np.testing.assert_allclose(_deltas(pmf, top), pmf.get_delta_for_epsilon(eps), rtol=0, atol=1e-13)
 
 
+def _bounds_in_50_digits(pld, alphas):
+    """The bound's formula (module docstring) on the same pmfs in 50-digit arithmetic, where e^eps never overflows:
+    delta(k d) for k = 0..the largest finite loss, the worse direction, then the sup over the grid."""
+    import mpmath
+
+    mpmath.mp.dps = 50
+    sides = []
+    for pmf in [pld._pmf_remove] if pld._symmetric else [pld._pmf_remove, pld._pmf_add]:
+        dense = pmf.to_dense_pmf()
+        losses = [(i + dense._lower_loss) * dense._discretization for i in range(dense.size)]
+        sides.append((losses, [mpmath.mpf(float(p)) for p in dense._probs], mpmath.mpf(dense._infinity_mass),
+                      dense._discretization))
+    d = sides[0][3]
+    top = max(round(max([l for l, p in zip(ls, ps) if p > 0 and l > 0], default=0) / d) for ls, ps, _, _ in sides)
+    deltas = [mpmath.mpf(0)] * (top + 1)
+    for losses, probs, inf_mass, _ in sides:
+        upper, lower, i = mpmath.mpf(0), mpmath.mpf(0), len(losses) - 1
+        for k in range(top, -1, -1):  # suffix sums over losses > k d, from the top down
+            while i >= 0 and losses[i] > k * d + 1e-9 * d:
+                upper += probs[i]
+                lower += probs[i] * mpmath.exp(-mpmath.mpf(losses[i]))
+                i -= 1
+            deltas[k] = max(deltas[k], min(max(inf_mass + upper - mpmath.exp(k * d) * lower, 0), 1))
+    out = []
+    for a in alphas:
+        a = mpmath.mpf(a)
+        f = max(max(1 - dk - mpmath.exp(k * d) * a, mpmath.exp(-k * d) * (1 - dk - a)) for k, dk in enumerate(deltas))
+        out.append(float(min(max(1 - max(f, 0), a), 1)))
+    return np.array(out)
+
+
+SIGMAS = (0.02, 0.05, 0.1, 0.3, 1.0, 3.0, 30.0)
+
+
+def test_the_bounds_are_finite_for_every_sigma_and_tend_to_their_limit():
+    """From tiny sigma (losses past 700, where e^eps overflows float64) to large: every bound finite, in [alpha, 1],
+    falling as sigma grows, equal to the same formula in 50-digit arithmetic, and at tiny sigma equal to its limit
+    min(1, alpha + c), c = 1 - (1 - q)^T the chance that the example is ever drawn (the module docstring's derivation).
+    """
+    q, steps, alphas = 0.1, 5, np.array(REPORTED_FPRS)
+    limit = np.minimum(1, alphas + 1 - (1 - q) ** steps)
+    previous = np.ones(len(alphas))
+    for sigma in SIGMAS:
+        pld = Accountant("pld", q, sigma, pld_discretization=0.05).pld(steps)
+        t = tradeoff(pld, alphas)
+        tpr = np.array(t.tpr)
+        assert np.all(np.isfinite(tpr)) and math.isfinite(t.advantage), sigma
+        assert np.all((tpr >= alphas) & (tpr <= 1)) and np.all(tpr <= previous + 1e-12), sigma
+        previous = tpr
+        if sigma in (0.05, 0.3, 3.0):  # the float64 sup against exact arithmetic on the same pmfs
+            np.testing.assert_allclose(tpr, _bounds_in_50_digits(pld, alphas), rtol=0, atol=1e-12)
+        if sigma <= 0.05:  # each draw all but certainly tells; the pessimistic rounding adds under 1e-9 here
+            assert np.all(tpr >= limit - 1e-12) and np.all(tpr <= limit + 1e-9), sigma
+    assert previous[0] < 2 * alphas[0]  # sigma 30: next to guessing, so the limit checked above is not the only value
+
+
+def test_a_run_that_draws_every_example_tends_to_a_bound_of_one():
+    """Many steps at tiny sigma: c = 1 - (1 - q)^T is 1 in float64, so the bounds are 1 (the non-private limit), not
+    NaN; and the unsampled Gaussian (blt's event: every example drawn) at mu = 20 is 1 as its closed form is."""
+    pld = Accountant("pld", 0.2, 0.05, pld_discretization=0.1).pld(200)
+    assert tradeoff(pld, REPORTED_FPRS).metrics() == {"mia_tpr_at_fpr_0.001": 1.0, "mia_tpr_at_fpr_0.01": 1.0,
+                                                       "mia_advantage": 1.0}
+    t = tradeoff(pldlib.from_gaussian_mechanism(0.05, value_discretization_interval=1e-2).self_compose(3), ALPHAS)
+    exact = [gaussian_tpr(a, math.sqrt(3) / 0.05) for a in ALPHAS]
+    assert exact == [1.0] * len(ALPHAS) and list(t.tpr) == exact
+
+
 def test_run_bounds_from_the_accountant(tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_CACHE_DIR", str(tmp_path))
     few, many = (membership_bounds(Accountant("pld", 0.01, 1.0), s) for s in (100, 1000))

@@ -383,6 +383,7 @@ def test_torchrun_two_processes_train_user_level_end_to_end(tmp_path, audited):
     m, tags = run.data.metrics, run.data.tags
     assert run.info.status == "FINISHED" and m["world_size"] == 2 and tags["world_size"] == "2"
     assert tags["privacy_unit"] == "user" and tags["ddp_shard"] == "per_rank"
+    assert tags["privacy_adjacency"] == "zero-out one user"  # per_rank on 2 ranks: the users' tail is cut by position
     n_users = len(SyntheticUsers(num_users=1000, seed=0).users.unique()) + (200 if audited else 0)
     q_user = 32 * 2 / n_users
     assert m["sample_rate"] == pytest.approx(q_user) and int(m["steps"]) == 10

@@ -329,12 +329,24 @@ def _check_ranges(cfg: DictConfig) -> None:
 
 
 def _check_sweep(cfg: DictConfig) -> None:
-    """Random stopping's K must be in the range of the theorems that bound it (workbench/sweep/)."""
+    """Random stopping's K must be in the range of the theorems that bound it, and its trials independent
+    (workbench/sweep/)."""
+    check_trial_streams(cfg)
     mu = OmegaConf.select(cfg, "sweep.poisson_mean")
     if isinstance(mu, (int, float)) and not isinstance(mu, bool) and mu < 1:
         # Papernot & Steinke's Theorem 6 has a log(mu) term: below 1 it would make the bound smaller than one run's.
         raise WorkbenchError(f"sweep.poisson_mean must be >= 1, got {mu}: Papernot & Steinke's Poisson bound "
                              "(Theorem 6) holds for a mean of at least 1 (below, its log(mu) term is negative)")
+
+
+def check_trial_streams(cfg: DictConfig) -> None:
+    """Random stopping's best-of-K bound assumes K independent trials: a pinned secret would give a point drawn twice
+    the same batches and noise (and every point the same streams). Refused; the sweep driver asks it of each point."""
+    if (OmegaConf.select(cfg, "sweep.tuning") == "random_stopping" and OmegaConf.select(cfg, "privacy.enabled")
+            and OmegaConf.select(cfg, "privacy.secure_seed") is not None):
+        raise WorkbenchError("sweep.tuning=random_stopping with a pinned privacy.secure_seed: its trials would draw the "
+                             "same batches and noise, not the independent trials the best-of-K bound assumes; leave "
+                             "privacy.secure_seed unset (a fresh secret per trial)")
 
 
 def validate(cfg: DictConfig) -> None:

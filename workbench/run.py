@@ -122,6 +122,7 @@ def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | 
         if job.mechanism.private:
             tags["grad_sample_mode"] = job.step_fn.mode  # what auto picked (its reason: the console's line)
             tags["privacy_unit"] = _unit(job.mechanism)  # what epsilon protects: one example, or one user
+            tags["privacy_adjacency"] = job.mechanism.adjacency  # and against which neighbouring change (mechanism.py)
         if job.step_fn.auto:  # the size chosen before training (a later out-of-memory halving: console only)
             tags["physical_batch_size"] = job.step_fn.max_physical_batch_size
         if job.fixed_modules:
@@ -344,7 +345,8 @@ def _log_model(cfg: DictConfig, tracker, model: nn.Module, plan, epsilon: float 
     """The trained model as the run's MLflow model `name` at step `steps` (pickled here, logged where the tracking
     store runs), the privacy budget as its metadata; the end's model ("model") alone is registered. A model that
     cannot be pickled is a warning and a tag, never a failed run."""
-    privacy_meta = {"private": plan.private, "steps": steps, "privacy_unit": _unit(plan) if plan.private else None}
+    privacy_meta = {"private": plan.private, "steps": steps, "privacy_unit": _unit(plan) if plan.private else None,
+                    "privacy_adjacency": plan.adjacency}
     if plan.private:
         privacy_meta.update(epsilon=epsilon, delta=plan.delta, accountant=cfg.privacy.accountant,
                             noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate,

@@ -63,6 +63,8 @@ class Mechanism:
     # bandmf: c_0..c_{b-1}, unit norm (correlated.py); blt: its BLT (blt.py); None: independent noise
     strategy: tuple[float, ...] | BLT | None = None
 
+    unit = "example"  # what one neighbouring change is of (users.py's UserMechanism: "user")
+
     def __post_init__(self) -> None:
         if self.clipping is None and self.private:
             self.clipping = FixedClip(self.max_grad_norm)
@@ -90,6 +92,22 @@ class Mechanism:
         """B: every step's clipped noised sum is divided by it, never by the realised batch."""
         return self.shard.expected_batch
 
+    @property
+    def adjacency(self) -> str | None:
+        """The neighbouring relation epsilon holds for, as the ``privacy_adjacency`` MLflow tag says it (None: not
+        private). "add-or-remove one example" only where adding or removing one leaves every other example's draws
+        as they were: independent Poisson over the whole set, dpsgd with ``shard=global`` or one process (q = B / N
+        taken as public, as the accounting takes it). Elsewhere the sampler fixes what an example does by its index:
+        ``per_rank`` on W > 1 ranks cuts a tail of N mod W by index, bandmf's cyclic part is its index mod b, blt's
+        batches are a permutation of the trimmed shard, each of public size, so one example more or less moves
+        others. What holds there is "zero-out": N fixed, one example replaced by one that contributes nothing (no
+        gradient, no clipped count). Both give the same epsilon: dp_accounting's PLD and RDP of these events are the
+        same under ADD_OR_REMOVE_ONE and REPLACE_SPECIAL (tests/test_adjacency.py)."""
+        if not self.private:
+            return None
+        whole_set_poisson = self.kind == "dpsgd" and (self.shard_mode == "global" or self.world_size == 1)
+        return f"{'add-or-remove' if whole_set_poisson else 'zero-out'} one {self.unit}"
+
     def sampler(self, seed: int, rank: int, start_step: int = 0) -> Any:
         """The batches of steps [start_step, steps) on ``rank``, from the secret sampling seed."""
         if self.kind == "blt":
@@ -108,7 +126,7 @@ class Mechanism:
             return {"private": False}
         a = self.accountant
         fields = dict(sample_rate=a.sample_rate, noise_multiplier=a.noise_multiplier, world_size=a.world_size,
-                      shard=a.shard, planned_steps=self.steps, delta=self.delta)
+                      shard=a.shard, planned_steps=self.steps, delta=self.delta, adjacency=self.adjacency)
         if self.adaptive:  # the same event; how its noise is split between the gradient and the count
             fields.update(clipping="adaptive", gradient_noise_multiplier=self.gradient_noise_multiplier,
                           clip_count_noise=self.clipping.count_noise)

@@ -14,6 +14,7 @@ import numpy as np
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from workbench import config
 from workbench.errors import WorkbenchError
 from workbench.privacy.accounting.tuning import TRIALS, _tnb_pmf
 from workbench.sweep.summary import PENDING_TAG, TERMINAL, _varied_keys, end_parent, summarise
@@ -72,15 +73,25 @@ def start(cfg: DictConfig, sweep_dir: str | Path, points: Sequence[Sequence[str]
     :func:`workbench.compose`): the bound for publishing the best needs all of them, drawn or not."""
     s = cfg.sweep
     check(s)
+    configs: list[DictConfig | Exception] = []
+    if s.tuning == "random_stopping":  # refused before anything is made: independent trials (config.py says why)
+        config.check_trial_streams(cfg)
+        if compose_point is None:
+            from workbench.api import compose as compose_point
+        for point in points:
+            try:
+                configs.append(compose_point(point))
+            except Exception as e:  # noqa: BLE001 - recorded as that candidate's error below
+                configs.append(e)
+            if isinstance(configs[-1], DictConfig):
+                config.check_trial_streams(configs[-1])
     sweep_dir = Path(sweep_dir).resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
     state: dict[str, Any] = {"sweep": OmegaConf.to_container(s, resolve=True), "parent_run_id": None}
     if s.tuning == "random_stopping" and points:
         state["trials"] = draw(s, len(points))
         state["varies"] = _varied_keys(points)
-        if compose_point is None:
-            from workbench.api import compose as compose_point
-        state["candidates"] = [{"overrides": " ".join(p), **_candidate(compose_point, p)} for p in points]
+        state["candidates"] = [{"overrides": " ".join(p), **_candidate(c)} for p, c in zip(points, configs)]
     if cfg.tracking.enabled:
         tracker = MlflowTracker(cfg)
         experiment_id = tracker._experiment_id()  # pylint: disable=protected-access
@@ -102,13 +113,15 @@ def draw(s: DictConfig | Any, points: int) -> list[int]:
     return [picks.count(i) for i in range(points)]
 
 
-def _candidate(compose_point: Callable[[Sequence[str]], DictConfig], point: Sequence[str]) -> dict:
+def _candidate(cfg: DictConfig | Exception) -> dict:
     """A point's mechanism from its config, before anything trains (workbench.job.planned_mechanism); a point that
-    cannot be built is recorded with the reason: the bound cannot cover it."""
+    cannot be composed or built is recorded with the reason: the bound cannot cover it."""
     from workbench.job import planned_mechanism
 
     try:
-        return planned_mechanism(compose_point(point))
+        if isinstance(cfg, Exception):
+            raise cfg
+        return planned_mechanism(cfg)
     except Exception as e:  # noqa: BLE001 - never a crash of the sweep: an unbounded point makes the bound infinite
         return {"error": " ".join(f"{'' if isinstance(e, WorkbenchError) else type(e).__name__ + ': '}{e}".split())[:300]}
 

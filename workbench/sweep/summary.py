@@ -15,6 +15,7 @@ from workbench import privacy
 from workbench.errors import WorkbenchError
 from workbench.privacy.accounting.banded import accountant_of
 from workbench.privacy.accounting.tuning import composed_epsilon, profile_epsilon, random_stopping_epsilon
+from workbench.tracking.runs import NOTE_TAG
 from workbench.tracking.tracker import MlflowTracker
 from workbench.tracking.uris import tracking_uri, ui_command
 
@@ -44,10 +45,11 @@ def _changes_the_mechanism(key: str) -> bool:
 # ------------------------------------------------------------------------------------------------------ summary
 
 
-def _cost(runs, state: dict) -> tuple[dict[str, float], list[str]]:
-    """sweep_epsilon_all (and _best) from the children's recorded DP events, and the warnings that go with them."""
+def _cost(runs, state: dict) -> tuple[dict[str, float], list[str], str | None]:
+    """sweep_epsilon_all (and _best) from the children's recorded DP events, the warnings that go with them, and the
+    neighbouring relation they hold for (the points' and candidates' own, workbench/privacy/mechanism.py)."""
     s = state["sweep"]
-    notes, events, data, units = [], [], set(), set()
+    notes, events, data, units, relations = [], [], set(), set(), set()
     for _, row in runs.iterrows():
         event = row.get(f"tags.{DP_EVENT_TAG}")
         if not isinstance(event, str):  # non-private, or failed before it trained (costs nothing)
@@ -61,11 +63,14 @@ def _cost(runs, state: dict) -> tuple[dict[str, float], list[str]]:
         events.append((accountant_of(e), steps, e["delta"]))  # bandmf's when the tag says so
         data.add(tuple(sorted((k, str(v)) for k, v in row.items() if k.startswith("params.data.train"))))
         units.add(e.get("unit", "example"))  # privacy.unit=user: workbench/privacy/users.py
+        relations.add(e.get("adjacency"))
     if not events and not (state.get("candidates") and s["tuning"] == "random_stopping"):
-        return {}, notes
+        return {}, notes, None
+    if s["tuning"] == "random_stopping":
+        relations |= {c.get("adjacency") for c in state.get("candidates") or [] if "sample_rate" in c}
     if len(data) > 1:
         notes.append("the points trained on different data (data.train differs): these bounds are for one dataset "
-                     "and one add-or-remove-one neighbour relation shared by every point; across different datasets "
+                     "and one neighbour relation shared by every point; across different datasets "
                      "one person's example is not one neighbouring change of every point, so account each dataset's "
                      "points separately")
     if len(units) > 1:
@@ -83,7 +88,15 @@ def _cost(runs, state: dict) -> tuple[dict[str, float], list[str]]:
             cost["sweep_epsilon_all"] = composed_epsilon([(a, n) for a, n, _ in events], delta)
     if s["tuning"] == "random_stopping":
         cost.update(_best(mechanisms, unbounded, cost.get("sweep_delta"), s, notes))
-    return cost, notes
+    return cost, notes, _shared_relation(relations)
+
+
+def _shared_relation(relations: set) -> str | None:
+    """The relation every point's epsilon holds for: theirs when they agree; zero-out when some are add-or-remove
+    (those hold zero-out too, at the same epsilon: Mechanism.adjacency); None when unknown or of different units."""
+    if None in relations or not relations or len({r.rsplit(" ", 1)[-1] for r in relations}) > 1:
+        return None
+    return relations.pop() if len(relations) == 1 else f"zero-out one {next(iter(relations)).rsplit(' ', 1)[-1]}"
 
 
 def _candidates(state: dict, events: list, notes: list[str]):
@@ -136,6 +149,33 @@ def _best(mechanisms, unbounded: list[str], delta: float | None, s: dict, notes:
     return cost
 
 
+def _covers(s: dict, cost: dict, best: list[str]) -> dict[str, str]:
+    """Which epsilon covers which of what the sweep publishes (the parent's sweep_epsilon_*_covers tags). The best-of-K
+    bound holds for the best trial's result alone, K unknown: K (the counts, the trials' tags and times), the table,
+    the frontier and the other trials are a release of every trial, covered by the composition alone."""
+    if "sweep_epsilon_all" not in cost and "sweep_epsilon_best" not in cost:
+        return {}
+    if s["tuning"] != "random_stopping":
+        return {"sweep_epsilon_all_covers": "everything the parent and the sweep's runs show: every point's run, "
+                                            "points, points_finished, points_failed, the best_* fields, "
+                                            "sweep_table.csv, frontier.png"}
+    return {"sweep_epsilon_best_covers": f"only the best trial's result: {', '.join(best) or 'the best point'} and "
+                                         "that run's model and metrics; K stays hidden, so nothing else here",
+            "sweep_epsilon_all_covers": "everything else the parent and the sweep's runs show: K (points, "
+                                        "points_finished, points_failed, the runs' trial tags and times), "
+                                        "sweep_table.csv, frontier.png, every other trial's run, the draw in the sweep "
+                                        "folder, the summary's console line"}
+
+
+def _covers_line(s: dict, cost: dict) -> str:
+    if s["tuning"] != "random_stopping":
+        return f"Everything this sweep shows is covered by sweep_epsilon_all={cost['sweep_epsilon_all']:.3f}."
+    best = ", ".join(f"best_{m}" for m in s["metrics"])
+    return (f"Publish only the best trial ({best}, its run's model and metrics) under sweep_epsilon_best="
+            f"{cost['sweep_epsilon_best']:.3f}; K, the counts, the table, the frontier and the other trials are covered "
+            f"by sweep_epsilon_all={cost.get('sweep_epsilon_all', math.inf):.3f} only.")
+
+
 def _distinct(runs, row) -> str:
     """A point's overrides without those every point shares: what picks it out of the sweep."""
     if "tags.overrides" not in runs or not isinstance(row.get("tags.overrides"), str):
@@ -182,8 +222,12 @@ def summarise(tracker: MlflowTracker, state: dict) -> dict:
         tags[f"best_{metric}_run_id"] = row["run_id"]
         tags[f"best_{metric}_overrides"] = row.get("tags.overrides", "")
         best_parts.append(f"best {metric}={row[metric]:.4f} ({_distinct(runs, row)})")
-    cost, notes = _cost(runs[runs["status"].isin(TERMINAL)], state)
+    cost, notes, relation = _cost(runs[runs["status"].isin(TERMINAL)], state)
     summary.update(cost)
+    if relation:
+        tags["privacy_adjacency"] = relation
+    tags.update(_covers(s, cost, [k for m in s["metrics"] if f"best_{m}" in summary
+                                  for k in (f"best_{m}", f"best_{m}_run_id", f"best_{m}_overrides")]))
     for note in notes:
         warnings.warn(f"sweep: {note}", stacklevel=1)
     tracker.log_metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))}, 0)
@@ -211,6 +255,8 @@ def summarise(tracker: MlflowTracker, state: dict) -> dict:
                                f"{cost.get('sweep_epsilon_best_rdp', math.nan):.3f})" for _ in [0]
                                if "sweep_epsilon_best_profile" in cost)
                      + f" at delta={cost['sweep_delta']:.1e}")
+    if "sweep_epsilon_all" in cost or "sweep_epsilon_best" in cost:  # the description says what each epsilon covers
+        tracker.set_tags({NOTE_TAG: " | ".join(parts) + ". " + _covers_line(s, cost)})
     link = ui_command(tracker.uri or tracking_uri(None), experiment_id, tracker.run_id)
     parts.append(f"parent run_id={tracker.run_id} | {link}")
     print(" | ".join(parts), flush=True)

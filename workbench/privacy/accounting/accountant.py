@@ -3,7 +3,14 @@ computed ahead on a background thread (:class:`EpsilonSchedule`).
 
 Accountants (``ACCOUNTANTS``): ``pld`` (default, tightest; ``dp_accounting`` privacy loss distributions with
 pessimistic rounding, an upper bound), ``rdp`` (``dp_accounting`` Renyi DP), ``prv`` (Opacus' PRV accountant).
-Only ``pld`` supports ``shard="global"`` with ``W > 1``. The neighbouring relation is add-or-remove-one.
+Only ``pld`` supports ``shard="global"`` with ``W > 1``.
+
+Neighbouring relation. The events are dp_accounting's under its default ``ADD_OR_REMOVE_ONE``; its PLD and RDP of a
+Poisson-subsampled Gaussian, the parallel-Poisson mixture and the plain Gaussian are the same under
+``REPLACE_SPECIAL`` (zero-out: one record replaced by one that contributes nothing), so one epsilon serves both. Which
+one a run's epsilon holds for is its sampler's business, said by ``Mechanism.adjacency`` (workbench/privacy/
+mechanism.py): add-or-remove for dpsgd's Poisson over the whole set (shard=global, or one process), zero-out where an
+example's role is fixed by its index (per_rank on W > 1 ranks, bandmf, blt); tests/test_adjacency.py checks both.
 """
 
 from __future__ import annotations

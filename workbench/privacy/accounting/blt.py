@@ -2,10 +2,11 @@
 cyclic.py's FixedBatchSampler).
 
 The first t steps release C G + sigma C_clip Z restricted to t rows, G's rows the clipped sums; one example changes
-C G by at most C_clip sens(t) in L2 (blt.sensitivity: fixed batches, k steps apart). Under add/remove (zero-out) of
-one example that is one Gaussian mechanism of noise multiplier sigma / sens(t): epsilon(t) is dp-accounting's
-``GaussianDpEvent(sigma / sens(t))``, built as a Poisson-sampled Gaussian at rate 1 (the same PLD route and
-calibration as DP-SGD's). No sampling amplification is claimed.
+C G by at most C_clip sens(t) in L2 (blt.sensitivity: fixed batches, k steps apart). Under zero-out of one example
+(N and the batches fixed: adding or removing one would change a batch of public size) that is one Gaussian
+mechanism of noise multiplier sigma / sens(t): epsilon(t) is dp-accounting's ``GaussianDpEvent(sigma / sens(t))``,
+built as a Poisson-sampled Gaussian at rate 1 (the same PLD route and calibration as DP-SGD's). No sampling
+amplification is claimed.
 
 :class:`BLTAccountant` is :class:`Accountant` with that event, so the epsilon schedule of every logged line, the
 budget stop, noise calibration (:func:`calibrate_blt`) and a sweep's composition read it through the same interface.

@@ -5,8 +5,8 @@ example. Its false-positive rate alpha (saying "member" about a non-member) and 
 about a member) are limited by the mechanism's f-DP trade-off function f (Dong, Roth & Su, "Gaussian Differential
 Privacy", JRSS-B 2022, arXiv:1905.02383): every test has TPR <= 1 - f(alpha).
 
-**From the privacy profile to f.** The run is (eps, delta(eps))-DP for every eps >= 0 under add-or-remove adjacency,
-with delta(eps) = max(delta_remove(eps), delta_add(eps)), the hockey-stick divergences of the two directions of the
+**From the privacy profile to f.** The run is (eps, delta(eps))-DP for every eps >= 0 under its neighbouring relation
+(Mechanism.adjacency), with delta(eps) = max(delta_remove(eps), delta_add(eps)), the hockey-stick divergences of the two directions of the
 PLD (``PrivacyLossDistribution.get_delta_for_epsilon`` takes the same max). A whole profile is equivalent to f-DP with
 (DRS19, Proposition 2.12; each (eps, delta)-DP statement is f_{eps,delta}-DP, Proposition 2.5)
 
@@ -33,7 +33,16 @@ The bounds given here:
    sup. (Were a subset of eps used, the sup would only fall, f fall and 1 - f rise: still an upper bound, looser.)
 3. delta on the grid is computed from the pmf with suffix sums in float64 (``_deltas``; checked against
    dp_accounting's own ``get_delta_for_epsilon`` in the tests); its rounding (~1e-16 of the tail mass) is far below the
-   discretisation's own pessimism.
+   discretisation's own pessimism. The sums of e^(eps - l) are taken in log space and e^eps alpha as
+   e^(eps + log alpha), so that no term over- or underflows into inf * 0 = NaN at any loss, however small sigma is
+   (a run at sigma 0.05 has losses past 700, where e^eps is inf in float64): every bound is finite, in [alpha, 1].
+
+**Its limit.** As sigma -> 0 each step's Gaussian becomes perfectly telling whenever the example is drawn, and the PLD
+tends to "the output is the same (probability 1 - c) or reveals the example (c)", c the probability that the example
+is drawn at least once (1 - (1 - q)^T for Poisson; bandmf: ceil(T / b) draws at p; blt, unsampled: c = 1). Its profile
+is delta(eps) = max(c, 1 - e^eps (1 - c)), so f(alpha) = max(0, 1 - c - alpha) and the bound tends to
+min(1, alpha + c) (the advantage to c): 1 whenever the run makes it near-certain that every example was drawn
+(tests/test_tradeoff.py checks this limit, and the float64 sup against the same sup in 50-digit arithmetic).
 
 The PLD used is :meth:`Accountant.pld`: the PLD of exactly the run's DP event (q, sigma, steps, world size and shard
 mode) at the accountant's discretisation, whatever the accountant that reports epsilon (``pld``, ``rdp`` or ``prv``).
@@ -81,11 +90,18 @@ def _deltas(pmf, top: int) -> np.ndarray:
     eps = np.arange(top + 1) * d
     keep = losses > 0  # only losses above eps >= 0 count
     losses, probs = losses[keep], probs[keep]
-    # suffix sums over losses > eps: P(L > eps) and E[e^-L; L > eps] under the upper distribution
+    # suffix sums over losses > eps: P(L > eps), and log E[e^-L; L > eps] in log space: e^eps and e^-L alone over-
+    # and underflow past 709 (tiny sigma), and inf * 0 would be NaN; eps + log E[e^-L; L > eps] <= log P(L > eps) <= 0
+    # (the FFT's composition leaves some probabilities a hair below 0: their part is summed apart, not dropped)
     upper = np.concatenate([np.cumsum(probs[::-1])[::-1], [0.0]])
-    lower = np.concatenate([np.cumsum((probs * np.exp(-losses))[::-1])[::-1], [0.0]])
     first = np.searchsorted(losses, eps, side="right")  # index of the first loss strictly above eps
-    delta = inf_mass + upper[first] - np.exp(eps) * lower[first]
+    lower = np.zeros(len(eps))
+    for sign in (1.0, -1.0):
+        with np.errstate(divide="ignore"):
+            log_terms = np.log(np.maximum(sign * probs, 0.0)) - losses
+        log_sums = np.concatenate([np.logaddexp.accumulate(log_terms[::-1])[::-1], [-np.inf]])
+        lower += sign * np.exp(eps + log_sums[first])
+    delta = inf_mass + upper[first] - lower
     return np.clip(delta, 0.0, 1.0)
 
 
@@ -114,7 +130,8 @@ def tradeoff(pld, fpr=CURVE_FPRS) -> TradeOff:
     chunk = max(1, 4_000_000 // len(eps))
     for i in range(0, len(alphas), chunk):
         a = alphas[i:i + chunk, None]
-        f = np.maximum(1 - delta - np.exp(eps) * a, np.exp(-eps) * (1 - delta - a)).max(axis=1)
+        with np.errstate(over="ignore", divide="ignore"):  # e^eps alpha as exp(eps + log alpha): inf, never inf * 0
+            f = np.maximum(1 - delta - np.exp(eps + np.log(a)), np.exp(-eps) * (1 - delta - a)).max(axis=1)
         tpr[i:i + chunk] = 1 - np.maximum(f, 0.0)
     tpr = np.clip(np.maximum(tpr, alphas), 0.0, 1.0)  # guessing at rate alpha always achieves TPR alpha
     return TradeOff(fpr=tuple(float(a) for a in alphas), tpr=tuple(float(t) for t in tpr), advantage=float(delta[0]))

@@ -1,4 +1,5 @@
-"""What a sweep costs, every point having trained on the same private data (add-or-remove-one neighbours):
+"""What a sweep costs, every point having trained on the same private data (under the points' neighbouring relation,
+Mechanism.adjacency):
 
 - ``sweep_epsilon_all``: publishing every point. The PLD composition of all children's DP events (each child's q,
   sigma, steps, W, shard: :meth:`workbench.privacy.Accountant.pld`), at the smallest delta of the children.
