@@ -442,6 +442,10 @@ MUTANTS = (
            "the best-only epsilon", "workbench/sweep/summary.py", "that run's model and metrics; K stays hidden, so nothing else here",
            "that run's model and metrics, points, points_finished, points_failed, sweep_table.csv, frontier.png",
            ("tests/test_sweeps.py::test_random_stopping_sweep_trains_the_drawn_trials_and_reports_the_bound",)),
+    Mutant("sweep-points-share-a-pinned-stream", "two sweep points with one pinned secret and seed draw the same noise "
+           "(released together it can cancel): not refused", "workbench/config.py",
+           "        if key in seen:\n", "        if False:\n",
+           ("tests/test_sweeps.py::test_sweep_points_sharing_a_pinned_secret_and_seed_are_refused_before_any_work",)),
 )
 
 

@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
 from tests.conftest import run_cli
-from workbench import compose, explore, job, run, sweep
+from workbench import compose, config, explore, job, run, sweep
 from workbench.errors import WorkbenchError
 from workbench.privacy.accounting import tuning
 from workbench.privacy import Accountant
@@ -248,6 +248,28 @@ def test_a_random_stopping_sweep_with_a_pinned_secret_is_refused_before_any_work
             explore.sweep(points, [*common, *extra], sweep_dir=tmp_path / "sweep")
         assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert compose([*common[:2], "privacy.secure_seed=5"]).sweep.tuning == "all"  # tuning=all keeps it (one stream each)
+
+
+def test_sweep_points_sharing_a_pinned_secret_and_seed_are_refused_before_any_work(tmp_path, monkeypatch):
+    """Two points with one pinned secret and one seed draw the same noise: releasing both lets it cancel (at C1 and
+    C2, S1/C1 - S2/C2 is noise-free), which sweep_epsilon_all's composition does not cover. One line, exit 2, nothing
+    made, from the CLI and explore.sweep; points whose seeds or secrets differ draw other streams and pass."""
+    proc = run_cli("-m", "experiment=quick", "privacy.secure_seed=123456789", "learning_rate=0.3,0.6",
+                   "disable_tqdm=true", cwd=tmp_path, env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert "sweep points 1 and 2 pin the same privacy.secure_seed and seed" in proc.stderr
+    assert "123456789" not in proc.stderr and sorted(p.name for p in tmp_path.iterdir()) == []
+    monkeypatch.chdir(tmp_path)
+    common = ["experiment=quick", "disable_tqdm=true", f"tracking.uri=sqlite:///{tmp_path / 'nb.db'}"]
+    with pytest.raises(WorkbenchError, match="pin the same privacy.secure_seed"):
+        explore.sweep([["learning_rate=0.3"], ["learning_rate=0.6"]], [*common, "privacy.secure_seed=5"],
+                      sweep_dir=tmp_path / "sweep")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    for points in ([["seed=0"], ["seed=1"]], [["privacy.secure_seed=5"], ["privacy.secure_seed=6"]],
+                   [["learning_rate=0.3"], ["learning_rate=0.6", "privacy.enabled=false"]]):
+        config.check_shared_streams([compose([*common, "privacy.secure_seed=5", *point]) for point in points])
+    config.check_shared_streams([compose([*common, f"learning_rate={lr}"]) for lr in (0.3, 0.6)])  # fresh secrets
 
 
 def test_random_stopping_bounds_every_point_of_the_grid_drawn_or_not(tmp_path, monkeypatch):

@@ -182,6 +182,7 @@ def check_args(argv: Sequence[str]) -> list[DictConfig]:
         from workbench.job import refuse_unsupported  # torch: imported once the config is read
         refuse_unsupported(cfg)
         configs.append(cfg)
+    config.check_shared_streams(configs)
     return configs
 
 

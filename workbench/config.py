@@ -349,6 +349,23 @@ def check_trial_streams(cfg: DictConfig) -> None:
                              "privacy.secure_seed unset (a fresh secret per trial)")
 
 
+def check_shared_streams(points: List[DictConfig]) -> None:
+    """Points of one sweep that pin the same privacy.secure_seed and seed draw the same batches and noise: two such
+    releases' noise can cancel (their clipped sums at C1 and C2 minus each other's scaled noise), which no composition
+    bound covers. Refused; a sweep leaves the secret unset (a fresh one per point) or gives each point its own."""
+    seen: Dict[Any, int] = {}
+    for i, cfg in enumerate(points):
+        secret = OmegaConf.select(cfg, "privacy.secure_seed")
+        if not OmegaConf.select(cfg, "privacy.enabled") or secret is None:
+            continue
+        key = (secret, cfg.seed, OmegaConf.select(cfg, "data_seed"))
+        if key in seen:
+            raise WorkbenchError(f"sweep points {seen[key] + 1} and {i + 1} pin the same privacy.secure_seed and seed: "
+                                 "they would draw the same batches and noise, which the sweep's composed epsilon does "
+                                 "not cover; leave privacy.secure_seed unset (a fresh secret per point)")
+        seen[key] = i
+
+
 def validate(cfg: DictConfig) -> None:
     """Check keys, values and cross-field rules. Raises WorkbenchError (one line) on the first problem."""
     check_keys(cfg)

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig, open_dict
 
+from workbench.config import check_shared_streams
 from workbench.plots import frontier as plot_frontier
 from workbench.run_tables import epsilon_curve, mlflow_client, runs_frame, sweep_frame, sweep_summary
 
@@ -89,6 +90,7 @@ def sweep(points: Sequence[Sequence[str]] = DEFAULT_SWEEP, overrides: Sequence[s
     from workbench.api import compose
     from workbench.run import train
 
+    check_shared_streams([compose([*overrides, *point]) for point in points])  # before the parent run is made
     root = Path(sweep_dir or Path("multirun") / time.strftime("%Y-%m-%d/%H-%M-%S")).resolve()
     state = sweeps.start(compose(list(overrides)), root, points=points,
                          compose_point=lambda point: compose([*overrides, *point]))
