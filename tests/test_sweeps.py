@@ -266,6 +266,8 @@ def test_sweep_points_sharing_a_pinned_secret_and_seed_are_refused_before_any_wo
         explore.sweep([["learning_rate=0.3"], ["learning_rate=0.6"]], [*common, "privacy.secure_seed=5"],
                       sweep_dir=tmp_path / "sweep")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+    with pytest.raises(WorkbenchError, match="pin the same privacy.secure_seed"):  # other batches, the same noise
+        config.check_shared_streams([compose([*common, "privacy.secure_seed=5", f"data_seed={s}"]) for s in (0, 1)])
     for points in ([["seed=0"], ["seed=1"]], [["privacy.secure_seed=5"], ["privacy.secure_seed=6"]],
                    [["learning_rate=0.3"], ["learning_rate=0.6", "privacy.enabled=false"]]):
         config.check_shared_streams([compose([*common, "privacy.secure_seed=5", *point]) for point in points])

@@ -358,7 +358,7 @@ def check_shared_streams(points: List[DictConfig]) -> None:
         secret = OmegaConf.select(cfg, "privacy.secure_seed")
         if not OmegaConf.select(cfg, "privacy.enabled") or secret is None:
             continue
-        key = (secret, cfg.seed, OmegaConf.select(cfg, "data_seed"))
+        key = (secret, cfg.seed)  # the noise stream's (job.py); data_seed moves the batches only
         if key in seen:
             raise WorkbenchError(f"sweep points {seen[key] + 1} and {i + 1} pin the same privacy.secure_seed and seed: "
                                  "they would draw the same batches and noise, which the sweep's composed epsilon does "
