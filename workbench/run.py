@@ -263,11 +263,7 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
     if canaries:
         found = canaries.result(epsilon, delta or privacy.default_delta(plan.shard.population), plan, steps)
         summary.update(found.metrics())
-    final = {**metrics, **summary}
-    if trainer.history.steps and trainer.history.steps[-1] == steps:
-        final.pop("epsilon", None)  # already logged at this step by the loop: log each (metric, step) once
-        final.pop("clip_norm", None)
-    tracker.log_metrics(final, steps)
+    tracker.log_metrics({**metrics, **summary}, steps)  # epsilon and C the loop logged at this step go once (only_new)
     save(steps)
     if d.is_main:
         if cfg.tracking.log_checkpoints and last_saved[0] is not None:
