@@ -95,10 +95,10 @@ class Peers:
         with self._lock:
             if self.store is not None and what not in self._counted:
                 self._counted.add(what)
-                self.store.add(f"workbench/stop/{what}", 1)
+                self.store.add(f"workbench.stop.{what}", 1)
 
     def read(self, what: str) -> int:
-        return self.store.add(f"workbench/stop/{what}", 0)
+        return self.store.add(f"workbench.stop.{what}", 0)
 
     def signalled(self, signum: int) -> None:
         self.signum = self.signum or signum
