@@ -47,6 +47,30 @@ def run_cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300
                           timeout=timeout)
 
 
+TIMED = ("samples_per_second",)  # the one logged metric whose value is a measurement, not a function of the run
+
+
+def metric_history(uri: str, run_id: str) -> list[tuple[str, int, float]]:
+    """Every (metric, step, value) a run holds in its MLflow store, in the store's order (MLflow's sampled system
+    metrics aside)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    return [(key, m.step, m.value) for key in sorted(client.get_run(run_id).data.metrics)
+            if not key.startswith("system/") for m in client.get_metric_history(run_id, key)]
+
+
+def assert_same_history(uri: str, resumed: str, whole: str, whole_uri: str | None = None) -> None:
+    """A resumed run's whole metric history equals an uninterrupted run's, pair by pair: no (metric, step) twice,
+    the same (metric, step) pairs, the same values (a timing's aside)."""
+    got, want = metric_history(uri, resumed), metric_history(whole_uri or uri, whole)
+    pairs = [(k, s) for k, s, _ in got]
+    twice = sorted({p for p in pairs if pairs.count(p) > 1})
+    assert not twice, f"(metric, step) logged more than once: {twice}"
+    assert set(pairs) == {(k, s) for k, s, _ in want}, set(pairs) ^ {(k, s) for k, s, _ in want}
+    assert {x for x in got if x[0] not in TIMED} == {x for x in want if x[0] not in TIMED}
+
+
 from tests.slurm_cluster import slurm_cluster, slurm_two_nodes  # noqa: E402,F401  (a real SLURM with accounting: one node, session-scoped; two nodes, module-scoped)
 from tests.mlflow_server import mlflow_server, server  # noqa: E402,F401  (a real `mlflow server` a test can kill)
 

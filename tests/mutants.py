@@ -446,6 +446,15 @@ MUTANTS = (
            "(released together it can cancel): not refused", "workbench/config.py",
            "        if key in seen:\n", "        if False:\n",
            ("tests/test_sweeps.py::test_sweep_points_sharing_a_pinned_secret_and_seed_are_refused_before_any_work",)),
+    Mutant("resume-dedup-keyed-on-the-loss", "a resumed run recognises a logged line by its loss, which a private run "
+           "does not publish: the steps between its checkpoint and the interruption are logged twice (issue 45)",
+           "workbench/tracking/outbox.py", "if step > logged.get(k, -1)}", 'if step > logged.get("loss", -1)}',
+           ("tests/test_tracking.py::test_a_resumed_private_run_logs_each_metric_at_each_step_once_spool_replay_included",
+            "tests/test_resume.py::test_a_truncated_checkpoint_is_named_and_the_run_resumes_from_the_newest_intact_one")),
+    Mutant("resume-refusal-creates-the-store", "resuming a run into a store that is not there creates an empty "
+           "mlflow.db before refusing (issue 45)", "workbench/tracking/tracker.py",
+           "if run_id is not None and _creates_store(self.uri):", "if run_id is not None and False:",
+           ("tests/test_resume.py::test_resume_refusals",)),
 )
 
 

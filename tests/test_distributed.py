@@ -236,3 +236,108 @@ def test_a_rank_dying_before_it_reports_fails_the_launch_at_once():
     # Waiting for rank 0 instead would end in launch_distributed's TimeoutError, not this error: no clock needed.
     with pytest.raises(RuntimeError, match="rank 1 failed: exited with code 3"):
         launch_distributed(_rank_one_dies, 2, timeout=300)
+
+
+def _ranks(monkeypatch, world_size: int = 2):
+    """Each rank's Peers on its own client of one real TCPStore (as torchrun's agent holds it), GRACE shortened."""
+    from torch.distributed import TCPStore
+
+    from workbench import interrupt
+
+    monkeypatch.setattr(interrupt, "GRACE", 0.5)
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    clients = [TCPStore("127.0.0.1", server.port, is_master=False) for _ in range(world_size)]
+    return server, [interrupt.Peers(c, world_size) for c in clients]
+
+
+def test_a_rank_that_dies_first_makes_the_run_failed_whichever_cause_a_survivor_sees_first(monkeypatch):
+    """The orderings torchrun produces, driven one by one (issue 45: the survivor's handler saw torchrun's SIGTERM
+    before it recorded the failure, and the run ended KILLED in 5 of 14 trials)."""
+    import signal
+
+    from workbench.interrupt import Interrupted
+
+    collective = RuntimeError("[Gloo] Connection closed by peer")
+    # rank 1 SIGKILLed; torchrun's SIGTERM reaches rank 0 before any collective error: rank 1 never answers
+    _, (r0, _) = _ranks(monkeypatch)
+    r0.signalled(signal.SIGTERM)
+    assert r0.outcome(Interrupted(signal.SIGTERM)) == "FAILED"
+    # rank 1 SIGKILLed; rank 0's collective fails first, then torchrun's SIGTERM arrives
+    _, (r0, r1) = _ranks(monkeypatch)
+    assert r0.outcome(collective) == "FAILED"
+    r1.signalled(signal.SIGTERM)  # a peer that ends after it (torchrun's SIGTERM) learns the job failed at once
+    assert r1.outcome(Interrupted(signal.SIGTERM)) == "FAILED"
+    # SIGTERM to rank 1 alone: its peer is never signalled in GRACE; then torchrun stops rank 0, by either route
+    for rank0_sees in (Interrupted(signal.SIGTERM), collective):
+        _, (r0, r1) = _ranks(monkeypatch)
+        r1.signalled(signal.SIGTERM)
+        assert r1.outcome(Interrupted(signal.SIGTERM)) == "FAILED"
+        if isinstance(rank0_sees, Interrupted):
+            r0.signalled(signal.SIGTERM)
+        assert r0.outcome(rank0_sees) == "FAILED"
+    # the store is gone with the rank that held it
+    server, (r0, _) = _ranks(monkeypatch)
+    r0.signalled(signal.SIGTERM)
+    del server
+    assert r0.outcome(Interrupted(signal.SIGTERM)) == "FAILED"
+
+
+def test_a_stop_of_the_whole_job_is_killed_on_every_rank_even_where_a_collective_error_came_first(monkeypatch):
+    import signal
+    import threading
+
+    from workbench.interrupt import Interrupted
+
+    _, (r0, r1) = _ranks(monkeypatch)
+    r0.signalled(signal.SIGTERM)  # counted by the watcher while rank 0 was blocked in the step's all-reduce
+    r1.signalled(signal.SIGTERM)
+    ends = {}
+    peer = threading.Thread(target=lambda: ends.update(r1=r1.outcome(Interrupted(signal.SIGTERM))))
+    peer.start()
+    collective = RuntimeError("[Gloo] Connection closed by peer")  # rank 1 left: rank 0's all-reduce fails
+    assert r0.outcome(collective) == "KILLED"
+    peer.join()
+    assert ends == {"r1": "KILLED"}
+    stopped = r0.as_interrupted(collective)
+    assert isinstance(stopped, Interrupted) and stopped.signum == signal.SIGTERM and stopped.__cause__ is collective
+    # one process, no peers: a signal is KILLED, anything else FAILED, without a store
+    from workbench.interrupt import Peers
+
+    assert Peers().outcome(Interrupted(signal.SIGINT)) == "KILLED" and Peers().outcome(collective) == "FAILED"
+
+
+def test_a_signal_is_counted_for_the_peers_while_the_training_thread_is_blocked_in_c(monkeypatch):
+    """A rank blocked in a collective cannot run its Python handler until the collective returns; its signal still
+    reaches the store at once (the wakeup fd's watcher), so a peer waiting on it sees the whole job stopped. The
+    training thread here blocks in a C read that the signal does not cut short (SA_RESTART, as gloo's waits retry)."""
+    import ctypes
+    import signal
+    import threading
+
+    from torch.distributed import TCPStore
+
+    from workbench import interrupt
+
+    server, (_, r1) = _ranks(monkeypatch)
+    seen, (read_fd, write_fd) = [], os.pipe()
+
+    def peer():  # rank 1: the signal to this process, then wait until it is counted, and only then unblock rank 0
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while r1.read("signalled") == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.append(r1.read("signalled"))
+        os.write(write_fd, b"x")
+
+    helper = threading.Thread(target=peer)
+    try:
+        with pytest.raises(interrupt.Interrupted):
+            with interrupt.signals_interrupt():
+                peers = interrupt.join(TCPStore("127.0.0.1", server.port, is_master=False), 2)
+                signal.siginterrupt(signal.SIGTERM, False)
+                helper.start()
+                ctypes.CDLL(None).read(read_fd, ctypes.create_string_buffer(1), 1)  # the GIL released, no handler
+    finally:
+        helper.join()
+        os.close(read_fd), os.close(write_fd)
+    assert seen == [1] and peers.signum == signal.SIGTERM

@@ -6,7 +6,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from tests.conftest import run_cli
+from tests.conftest import assert_same_history, run_cli
 from workbench import checkpoint
 from workbench.errors import WorkbenchError
 
@@ -47,6 +47,7 @@ def test_killed_run_resumes_to_the_same_parameters_and_epsilon(tmp_path, monkeyp
     assert sorted(steps_b) == sorted(steps_a) == sorted(set(steps_b)) == [5, 10, 15, 20]  # no step logged twice
     eps_b = [m.step for m in client.get_metric_history(run_b.info.run_id, "epsilon")]
     assert sorted(eps_b) == sorted(set(eps_b)) and 20 in eps_b
+    assert_same_history(uri, run_b.info.run_id, run_a.info.run_id)
 
     # One MLflow model, logged at the resumed job's end with the final epsilon; it predicts what the final checkpoint
     # does, loaded as mlflow.pytorch and as a pyfunc.
@@ -90,6 +91,8 @@ def test_a_truncated_checkpoint_is_named_and_the_run_resumes_from_the_newest_int
     assert f"resuming from the newest intact checkpoint, {five}" in said
     a, b = _final_model(tmp_path / "whole"), _final_model(tmp_path / "crashed")
     assert a["step"] == b["step"] == 20 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    # Steps 6..10 were logged before the kill and are trained again: logged once, as the uninterrupted run logs them
+    assert_same_history(uri, b["run_id"], a["run_id"])
 
     cut = tmp_path / "cut"
     cut.mkdir()
@@ -137,6 +140,13 @@ def test_resume_refusals(tmp_path, mlflow_uri):
                   env={"MLFLOW_TRACKING_URI": mlflow_uri})
     assert bad.returncode == 2 and f"checkpoint '{corrupt}' is truncated or corrupt (1000 bytes" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+    # The checkpoint's run is not in the store it is pointed at: refused, and that store is not created (README)
+    elsewhere = tmp_path / "elsewhere.db"
+    with pytest.raises(WorkbenchError, match=f"is not in sqlite:///{elsewhere}; point tracking.uri at the store"):
+        launch(compose([*ARGS, f"tracking.uri=sqlite:///{elsewhere}", f"output_dir={run_dir}",
+                        "resume_from_checkpoint=latest"]))
+    assert not elsewhere.exists()
 
     client = MlflowClient(tracking_uri=mlflow_uri)
     statuses = [r.info.status for r in client.search_runs([client.get_experiment_by_name("workbench").experiment_id])]
@@ -280,3 +290,13 @@ def test_a_disk_that_fills_mid_run_stops_it_with_exit_1_and_the_run_failed(tmp_p
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name("workbench").experiment_id])
     assert run.info.status == "FAILED" and "No space left on device" in run.data.tags["error"]
+
+    # Space freed (the tmpfs gone), the resume command trains steps 6..10 again and ends where an uninterrupted run
+    # ends, each (metric, step) logged once (issue 45)
+    args = [*ARGS, "data.train._target_=tests.plugins.SlowSynthetic", "max_steps=40"]
+    resumed = run_cli(*args, f"output_dir={run_dir}", "resume_from_checkpoint=latest", cwd=tmp_path,
+                      env={"MLFLOW_TRACKING_URI": uri})
+    assert resumed.returncode == 0 and f"resuming from {folder / 'checkpoint-5.pt'}" in resumed.stdout + resumed.stderr
+    whole = run_cli(*args, f"output_dir={tmp_path / 'whole'}", cwd=tmp_path, env={"MLFLOW_TRACKING_URI": uri})
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    assert_same_history(uri, run.info.run_id, checkpoint.load(checkpoint.list_checkpoints(tmp_path / "whole")[-1])["run_id"])

@@ -99,3 +99,70 @@ def test_the_end_waits_for_a_slow_store_that_answers_and_gives_up_on_a_silent_on
     assert box.drain(0.5, stalled=True) is False
     assert 0.5 <= time.monotonic() - t < 3
     assert box.close() == [("tags", {})]
+
+
+def _line(step: int) -> dict[str, float]:
+    """What a private run's loop logs at a step: no loss (it is not published), epsilon beside the rest."""
+    return {"epoch": step / 10, "learning_rate": 0.5 - step / 100, "samples_per_second": 100.0 + step,
+            "epsilon": step / 7}
+
+
+def test_a_resumed_private_run_logs_each_metric_at_each_step_once_spool_replay_included(tmp_path):
+    """Interrupted after step 7 with a checkpoint at 5, its lines 6..9 spooled as well (the server took 1..7 before
+    the spool was written): the resumed tracker replays the spool, then gets the recomputed steps 6..12 and the final
+    summary at 12 (epsilon again there). Every (metric, step) is in MLflow once, with the first job's value."""
+    from tests.conftest import metric_history
+    from workbench import compose
+    from workbench.tracking import MlflowTracker, write_spool
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = compose([f"tracking.uri={uri}", f"output_dir={tmp_path / 'run'}"])
+    first = MlflowTracker(cfg)
+    first.start({})
+    first.log_many([(_line(s), s) for s in range(1, 8)])
+    first.log_metrics({"eval_loss": 0.3, "eval_accuracy": 0.9}, 5)
+    first.finish("KILLED")
+    write_spool(tmp_path / "run", uri, first.run_id, [("metrics", [[_line(s), s, 0] for s in range(6, 10)])])
+
+    resumed = MlflowTracker(cfg)
+    resumed.start({}, run_id=first.run_id)
+    recomputed = {s: {**_line(s), "samples_per_second": -1.0} for s in range(6, 13)}  # a timing differs on a rerun
+    resumed.log_many([(line, s) for s, line in recomputed.items()])
+    resumed.log_metrics({"eval_loss": 0.3, "eval_accuracy": 0.9}, 10)
+    resumed.log_metrics({"eval_loss": 0.2, "steps": 12, "epsilon": _line(12)["epsilon"]}, 12)
+    resumed.finish()
+
+    got = metric_history(uri, first.run_id)
+    want = {(k, s, v) for s in range(1, 10) for k, v in _line(s).items()}
+    want |= {(k, s, v) for s in range(10, 13) for k, v in recomputed[s].items()}
+    want |= {("eval_loss", 5, 0.3), ("eval_accuracy", 5, 0.9), ("eval_loss", 10, 0.3), ("eval_accuracy", 10, 0.9),
+             ("eval_loss", 12, 0.2), ("steps", 12, 12.0)}
+    assert sorted(got) == sorted(want)  # as a list: a pair logged twice would be there twice
+    assert not list((tmp_path / "run").rglob("ops-*.jsonl"))  # the replayed spool is gone
+
+
+def test_sync_sends_each_metric_at_each_step_once_from_overlapping_spool_files(tmp_path):
+    """A job killed between writing its new spool file and removing the one it replaces leaves two that overlap; the
+    server already holds the first steps. sync uploads each (metric, step) once, and refuses a store that is not
+    there without creating it."""
+    from tests.conftest import metric_history
+    from workbench.errors import WorkbenchError
+    from workbench.tracking import sync, write_spool
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    from mlflow.entities import Metric
+
+    client.log_batch(run_id, metrics=[Metric(k, v, 0, s) for s in range(1, 6) for k, v in _line(s).items()])
+    # each file's own times (MLflow's store keeps one of two rows identical in time too)
+    write_spool(tmp_path, uri, run_id, [("metrics", [[_line(s), s, 1000 + s] for s in range(4, 9)])])
+    write_spool(tmp_path, uri, run_id, [("metrics", [[_line(s), s, 2000 + s] for s in range(7, 11)])])
+    sync(tmp_path)
+    assert sorted(metric_history(uri, run_id)) == sorted((k, s, v) for s in range(1, 11) for k, v in _line(s).items())
+
+    write_spool(tmp_path, uri, run_id, [("metrics", [[_line(11), 11, 0]])])
+    missing = tmp_path / "elsewhere.db"
+    with pytest.raises(WorkbenchError, match=f"MLflow run {run_id} is not in sqlite:///{missing}: there is no store"):
+        sync(tmp_path, f"sqlite:///{missing}")
+    assert not missing.exists()

@@ -398,6 +398,11 @@ def setup(ddp_backend: str, ddp_timeout: int = 1800, log_on_each_node: bool = Tr
     return Dist(env, backend, device, env.world_size > 1, log_on_each_node, save_on_each_node)
 
 
+def store():
+    """The process group's key-value store (under torchrun, its agent's: it outlives any rank)."""
+    return dist.distributed_c10d._get_default_store()
+
+
 def teardown(d: Dist | None) -> None:
     if d is not None and d.owns_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -3,6 +3,10 @@ so the MLflow run ends KILLED, no checkpoint is left half-written, and the CLI p
 
 SIGTERM is what ``scancel``, a SLURM time limit and torchrun (when a peer rank dies) send. Inside a submitit task the
 signals stay submitit's own: it answers preemption by checkpointing and requeueing the job.
+
+In a job of several ranks the first cause decides how the run ends (:func:`outcome`): KILLED when the whole job was
+stopped (every rank got the signal), FAILED when a rank failed or died first, even if the signal torchrun then sends
+the survivors reaches a survivor before the dead peer's collective error does.
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ import os
 import shlex
 import signal
 import threading
+import time
 from typing import Iterator
+
+GRACE = 3.0  # seconds a signalled rank waits for its peers' signal (a stop of the whole job reaches all within ms)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -72,15 +79,114 @@ def launched_by() -> list[str]:
     return [*prefix, *agent[start + 1:end + 2]]
 
 
+class Peers:
+    """What this rank tells the job's other ranks about how it stops, through the process group's store (torchrun's
+    agent holds it, so it outlives a dead rank): two counters, ranks signalled and ranks failed, each rank counted once.
+    A signal is counted the moment it arrives (a thread woken by the signal's wakeup fd, see signals_interrupt), even
+    while the training thread is blocked in a collective and cannot run the Python handler yet."""
+
+    def __init__(self, store=None, world_size: int = 1):
+        self.store, self.world_size = (store, world_size) if world_size > 1 else (None, 1)
+        self.signum: int | None = None
+        self._counted: set[str] = set()
+        self._lock = threading.Lock()
+
+    def count(self, what: str) -> None:
+        with self._lock:
+            if self.store is not None and what not in self._counted:
+                self._counted.add(what)
+                self.store.add(f"workbench.stop.{what}", 1)
+
+    def read(self, what: str) -> int:
+        return self.store.add(f"workbench.stop.{what}", 0)
+
+    def signalled(self, signum: int) -> None:
+        self.signum = self.signum or signum
+        try:
+            self.count("signalled")
+        except Exception:  # noqa: BLE001 - a store that is gone: outcome() finds it so
+            pass
+
+    def outcome(self, error: BaseException) -> str:
+        """How a run that ends with `error` ends: KILLED or FAILED. The first cause wins. Alone, a signal is KILLED
+        and anything else FAILED. In a job of several ranks, a rank that failed unsignalled says so and ends FAILED; a
+        signalled one waits up to GRACE seconds and ends KILLED only when every rank was signalled and none had
+        failed. A peer that failed, died (it is never counted) or was stopped alone (torchrun then stops the others)
+        makes the run FAILED on every rank, whichever of the dead peer's collective error and torchrun's SIGTERM
+        reaches a survivor first."""
+        if self.store is None:
+            return "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
+        try:
+            if not (isinstance(error, KeyboardInterrupt) or self.signum is not None):
+                self.count("failed")
+                return "FAILED"
+            self.signalled(getattr(error, "signum", signal.SIGINT))
+            deadline = time.monotonic() + GRACE
+            while self.read("failed") == 0:
+                if self.read("signalled") >= self.world_size:  # the whole job was stopped
+                    return "KILLED"
+                if time.monotonic() > deadline:  # stopped alone, or a peer is dead: the job failed
+                    self.count("failed")
+                    return "FAILED"
+                time.sleep(0.05)
+            return "FAILED"
+        except Exception:  # noqa: BLE001 - the store is gone, with the peer that held it
+            return "FAILED"
+
+    def as_interrupted(self, error: BaseException) -> BaseException:
+        """For a run that ends KILLED: a rank whose own error is the collective a stopped peer left (its signal's
+        handler had not run yet) reports the stop (the CLI's line that says how to resume)."""
+        if isinstance(error, KeyboardInterrupt) or self.signum is None:
+            return error
+        stopped = Interrupted(self.signum)
+        stopped.__cause__ = error
+        return stopped
+
+
+_peers = Peers()
+
+
+def join(store, world_size: int) -> Peers:
+    """Once the process group exists: this rank's stop is told to its `world_size - 1` peers through `store`.
+    Returns this job's :class:`Peers` (its outcome() and as_interrupted() say how the run ends)."""
+    global _peers
+    signum, _peers = _peers.signum, Peers(store, world_size)
+    if signum is not None:  # a signal that came while the group was being made
+        _peers.signalled(signum)
+    return _peers
+
+
+def _watch(read_fd: int) -> None:
+    while data := os.read(read_fd, 64):
+        for signum in data:
+            if signum == 0:  # signals_interrupt is done
+                return
+            if signum in (signal.SIGTERM, signal.SIGINT):
+                _peers.signalled(signum)
+
+
 @contextlib.contextmanager
 def signals_interrupt() -> Iterator[None]:
-    """While the block runs (in the main thread, outside submitit), SIGTERM and SIGINT raise :class:`Interrupted`."""
+    """While the block runs (in the main thread, outside submitit), SIGTERM and SIGINT raise :class:`Interrupted`, and
+    each is counted for the job's other ranks as it arrives (see :class:`Peers`)."""
+    global _peers
+    _peers = Peers()
     if threading.current_thread() is not threading.main_thread() or os.environ.get("SUBMITIT_EXECUTOR"):
         yield
         return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    watcher = threading.Thread(target=_watch, args=(read_fd,), name="workbench-signals", daemon=True)
+    watcher.start()
     previous = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        signal.set_wakeup_fd(previous_fd)
+        os.write(write_fd, b"\0")  # the watcher stops
+        watcher.join()
+        os.close(write_fd)
+        os.close(read_fd)

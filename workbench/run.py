@@ -21,7 +21,7 @@ from workbench import checkpoint, config, distributed, privacy
 from workbench.data.checks import blame_example
 from workbench.errors import TrainingStopped, WorkbenchError
 from workbench.evaluation import Evaluator
-from workbench.interrupt import Interrupted, ignore_further, signals_interrupt
+from workbench.interrupt import Interrupted, ignore_further, join, signals_interrupt
 from workbench.job import Job, build, build_model, refuse_unsupported
 from workbench.models import hf
 from workbench.privacy.accounting.tradeoff import membership_bounds
@@ -103,6 +103,7 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: l
 def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | None,
            on_end: Callable[[DictConfig], None] | None) -> TrainResult:
     d = distributed.setup(cfg.ddp_backend, cfg.ddp_timeout, cfg.log_on_each_node, cfg.save_on_each_node)
+    peers = join(distributed.store() if d.distributed else None, d.world_size)  # how the others learn why we stop
     tracker = None
     run_id = None
     try:
@@ -139,19 +140,27 @@ def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | 
         result = _fit(cfg, d, job, tracker, run_id, output_dir)
         d.barrier()  # ranks leave together: one tearing its gloo connections down under a busy peer can abort
         return result
-    except BaseException as e:
-        ignore_further()
+    except BaseException as error:
+        try:
+            ignore_further()
+        except Interrupted:  # a signal in the instant `error` began to be handled: the later cause (peers count it)
+            ignore_further()
         if tracker is not None:
             tracker.settle()
-        status = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED"
+        status = peers.outcome(error)  # the first cause: a peer that died first makes it FAILED (workbench/interrupt.py)
+        e = peers.as_interrupted(error) if status == "KILLED" else error
         if isinstance(e, Interrupted):
             e.output_dir = cfg.output_dir
         if d.is_main and tracker is not None and tracker.run_id:
-            tracker.set_tags({"error": (" ".join(f"{type(e).__name__}: {e}".split()))[:500]})
+            why = " (a peer rank had failed, died or been stopped alone first)" if status == "FAILED" and \
+                isinstance(e, KeyboardInterrupt) else ""
+            tracker.set_tags({"error": (" ".join(f"{type(e).__name__}: {e}{why}".split()))[:500]})
             tracker.finish(status)
         elif run_id and cfg.tracking.enabled:  # rank 0 may be dead (SIGKILL): a survivor ends the run it left RUNNING
             end_if_abandoned(cfg, run_id, status)
-        raise
+        if e is error:
+            raise
+        raise e from error
     finally:
         distributed.teardown(d)
         if tracker is not None and tracker.run_id and on_end is not None:
@@ -263,11 +272,7 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
     if canaries:
         found = canaries.result(epsilon, delta or privacy.default_delta(plan.shard.population), plan, steps)
         summary.update(found.metrics())
-    final = {**metrics, **summary}
-    if trainer.history.steps and trainer.history.steps[-1] == steps:
-        final.pop("epsilon", None)  # already logged at this step by the loop: log each (metric, step) once
-        final.pop("clip_norm", None)
-    tracker.log_metrics(final, steps)
+    tracker.log_metrics({**metrics, **summary}, steps)  # epsilon and C the loop logged at this step go once (only_new)
     save(steps)
     if d.is_main:
         if cfg.tracking.log_checkpoints and last_saved[0] is not None:

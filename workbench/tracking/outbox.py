@@ -190,16 +190,24 @@ def read_spool(output_dir: str | Path) -> list[tuple[Path, dict[str, Any], list[
     return out
 
 
-def only_new(lines, until: Mapping[str, int]) -> list:
-    """The lines a resumed run has not logged yet: each line has a key that identifies it."""
+def only_new(lines, logged: dict[str, int]) -> list:
+    """Each line without the metrics already logged at its step or a later one, recording what it logs in `logged`
+    (metric name -> newest step logged). Keyed on what every line carries, its step and the names it sends, whatever a
+    run publishes (a private run has no loss): a resumed run recomputes the steps after its checkpoint, a replayed
+    spool repeats what the server may have taken, and each (metric, step) reaches MLflow once. A line without a step
+    is sent as it is."""
     fresh = []
     for metrics, step in lines:
-        key = next((k for k in until if k in metrics), None)
-        if key is None or step is None or step > until[key]:
+        if step is None:
             fresh.append((metrics, step))
+            continue
+        new = {k: v for k, v in metrics.items() if step > logged.get(k, -1)}
+        if new:
+            logged.update(dict.fromkeys(new, step))
+            fresh.append((new, step))
     return fresh
 
 
-def unsent_lines(op: tuple, until: Mapping[str, int]) -> tuple:
-    """A spooled metrics operation without the lines the server already has."""
-    return ("metrics", [line for line in op[1] if only_new([(line[0], line[1])], until)])
+def unsent_lines(op: tuple, logged: dict[str, int]) -> tuple:
+    """A spooled metrics operation without what is logged already (recorded in `logged` as only_new does)."""
+    return ("metrics", [[new, step, ms] for metrics, step, ms in op[1] for new, _ in only_new([(metrics, step)], logged)])

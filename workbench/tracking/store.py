@@ -173,12 +173,10 @@ STORE_CALLS = ("experiment_id", "create_run", "set_status", "status", "has_param
 
 
 def logged_until(client, run_id: str) -> dict[str, int]:
-    """The newest step already logged for each line key (training log, final summary, periodic eval)."""
-    until = {}
-    for key in ("loss", "steps", "eval_loss"):
-        history = _retry(lambda key=key: client.get_metric_history(run_id, key))
-        until[key] = max((m.step for m in history), default=-1)
-    return until
+    """The newest step already logged for each of the run's metrics (every name, whatever the run publishes)."""
+    run = _retry(lambda: client.get_run(run_id))
+    # A run's latest metrics (one per name, with its step) are the newest step of each: MLflow orders them by step first
+    return {m.key: m.step for m in run.data._metric_objs}
 
 
 def send(client, run_id: str, op: tuple) -> None:

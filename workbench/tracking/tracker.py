@@ -102,7 +102,8 @@ class MlflowTracker(NullTracker):
         self.outbox: Outbox | None = None
         self._own_folder: str | None = None  # a tracker used on its own (no output_dir): a temp folder, made on use
         self._spool_files: list[Path] = []  # this run's spool files on disk (written or replayed by this tracker)
-        self.logged_until = {"loss": -1, "steps": -1, "eval_loss": -1}
+        self.logged_until: dict[str, int] = {}  # metric name -> newest step logged (only_new); a resumed run's: the store's
+        self._logging = threading.Lock()  # lines come from the step logger's thread and the training thread
 
     @property
     def run_folder(self) -> str:
@@ -170,6 +171,8 @@ class MlflowTracker(NullTracker):
             raise WorkbenchError(message) from None
 
     def _start(self, tags: Mapping[str, Any], run_id: str | None, sweep_dir: str | None, pending: bool) -> None:
+        if run_id is not None and _creates_store(self.uri):  # refused before opening it: no store is left behind
+            raise WorkbenchError(_not_in(run_id, self.uri))
         experiment_id = self._experiment.result() if self._experiment is not None else self._experiment_id()
         all_tags = {k: scrub(str(v), self._secret) for k, v in tags.items() if v is not None}
         if run_id is None:
@@ -186,8 +189,7 @@ class MlflowTracker(NullTracker):
             except StoreError as e:
                 if e.http_status != 404:
                     raise
-                raise WorkbenchError(f"MLflow run {run_id} (of the checkpoint or launcher this job continues) is not in "
-                                     f"{self.uri}; point tracking.uri at the store that holds it") from None
+                raise WorkbenchError(_not_in(run_id, self.uri)) from None
         self.run_id, self.experiment_id = run_id, experiment_id
         self.outbox = Outbox(self._send)
         if all_tags:
@@ -222,7 +224,8 @@ class MlflowTracker(NullTracker):
 
     def log_many(self, lines: list[tuple[Mapping[str, float], int | None]]) -> None:
         """Queue several lines (metrics, step); they reach MLflow in order, in as few round trips as it allows."""
-        fresh = only_new(lines, self.logged_until)
+        with self._logging:
+            fresh = only_new(lines, self.logged_until)
         if fresh:
             ms = int(time.time() * 1000)
             self._put(("metrics", [[{k: float(v) for k, v in m.items()}, step or 0, ms] for m, step in fresh]))
@@ -325,8 +328,9 @@ class MlflowTracker(NullTracker):
                 continue
             for op in ops:
                 if op[0] == "metrics":
-                    op = unsent_lines(op, self.logged_until)
-                self._put(op)
+                    op = unsent_lines(op, self.logged_until)  # recorded: the steps recomputed next are not sent again
+                if op[0] != "metrics" or op[1]:
+                    self._put(op)
             self._spool_files.append(path)
 
     def finish_if_running(self, status: str) -> None:
@@ -341,6 +345,11 @@ class MlflowTracker(NullTracker):
             if self.outbox is not None:
                 self.outbox.close()
             self._close_store()
+
+
+def _not_in(run_id: str, uri: str) -> str:
+    return (f"MLflow run {run_id} (of the checkpoint or launcher this job continues) is not in {uri}; point "
+            "tracking.uri at the store that holds it")
 
 
 def end_if_abandoned(cfg: DictConfig, run_id: str, status: str, grace: float = 5.0) -> None:

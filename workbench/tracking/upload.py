@@ -10,7 +10,7 @@ from pathlib import Path
 from workbench.errors import WorkbenchError
 from workbench.tracking.outbox import read_spool, spool_dir, tidy, unsent_lines, write_spool
 from workbench.tracking.store import logged_until, send
-from workbench.tracking.uris import FAST_FAIL_ENV
+from workbench.tracking.uris import FAST_FAIL_ENV, _creates_store
 
 
 def sync(output_dir: str | Path, uri: str | None = None) -> int:
@@ -23,12 +23,17 @@ def sync(output_dir: str | Path, uri: str | None = None) -> int:
         raise WorkbenchError(f"{str(output_dir)!r} has nothing spooled (no {spool_dir(output_dir)})")
     for key, value in FAST_FAIL_ENV.items():
         os.environ.setdefault(key, value)
-    count = 0
+    count, logged = 0, {}  # per run: what it holds, and what this sync sent (spool files may overlap)
     for path, head, ops in spooled:
         head["uri"] = uri or head["uri"]
+        if _creates_store(head["uri"]):  # opening it would make an empty store, and the run is not in one
+            raise WorkbenchError(f"MLflow run {head['run_id']} is not in {head['uri']}: there is no store there; "
+                                 "name the store that holds it with --tracking-uri")
         client = MlflowClient(tracking_uri=head["uri"])
         try:
-            until = logged_until(client, head["run_id"])
+            until = logged.get((head["uri"], head["run_id"]))
+            if until is None:
+                until = logged[head["uri"], head["run_id"]] = logged_until(client, head["run_id"])
             for i, op in enumerate(ops):
                 if op[0] == "metrics":  # a line that reached the server before the spool was written goes once
                     op = unsent_lines(op, until)
