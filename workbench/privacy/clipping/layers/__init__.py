@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from workbench.privacy.clipping.layers.common import (KERNEL_ROWS, PER_SAMPLE_IF, Calls, _precise, kernel_depth,
-                                                      per_call, smaller_kept, trainable, weighted_sum)
+from workbench.privacy.clipping.layers.common import (KERNEL_ROWS, PER_SAMPLE_IF, Calls, kernel_depth, per_call,
+                                                      precise, smaller_kept, trainable, weighted_sum)
 from workbench.privacy.clipping.layers.conv import ConvRule
 from workbench.privacy.clipping.layers.embedding import EmbeddingRule
 from workbench.privacy.clipping.layers.linear import Conv1DRule, JoinedLinearRule, JoinedLinears, LinearRule
@@ -39,8 +39,9 @@ from workbench.privacy.clipping.layers.patch_conv import PatchConvRule
 
 __all__ = ["CONV1D", "KERNEL_ROWS", "PARAMETERS", "PATCH_CONV", "PER_SAMPLE_IF", "RULES", "Calls", "Conv1DRule",
            "ConvRule", "EmbeddingRule", "GroupNormRule", "JoinedLinearRule", "JoinedLinears", "LayerNormRule",
-           "LinearRule", "Materialised", "PatchConvRule", "_precise", "kernel_depth", "per_call", "rule_for",
-           "smaller_kept", "trainable", "weighted_sum"]
+           "LinearRule", "Materialised", "PatchConvRule", "_precise", "kernel_depth", "per_call", "precise",
+           "rule_for", "smaller_kept", "trainable", "weighted_sum"]
+_precise = precise  # its name before the split (book_keeping imported it from here)
 
 
 def _hf_conv1d(m: nn.Module) -> bool:

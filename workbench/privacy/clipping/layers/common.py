@@ -18,14 +18,14 @@ def trainable(m: nn.Module) -> list[str]:
 _WIDE = (torch.float32, torch.float64)
 
 
-def _precise(t: torch.Tensor) -> torch.Tensor:
+def precise(t: torch.Tensor) -> torch.Tensor:
     """A layer input or output gradient in float32 at least (no-op in float32/64; integer ids kept)."""
     if t.dtype in _WIDE or not t.is_floating_point():
         return t
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def _gram64(t: torch.Tensor) -> torch.Tensor:
+def gram64(t: torch.Tensor) -> torch.Tensor:
     """(n, T, T) float64 Gram matrices of (n, T, d) ``t`` from an exact float64 copy, freed on return: the copies of a
     and g are never held together (a step's peak memory)."""
     t = t.double()
@@ -40,7 +40,7 @@ def weighted_sum(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     return torch.mv(t.reshape(len(t), -1).t(), factor).view(t.shape[1:])
 
 
-def _position_sums(g: torch.Tensor) -> torch.Tensor:
+def position_sums(g: torch.Tensor) -> torch.Tensor:
     """sum_t g_t of (n, T, d), (n, d): on wide layers a matmul with ones (measured 3.3x faster than g.sum(1) at
     d = 1536, T = 128; 1.1-1.2x slower at d <= 384), the same sums of T terms as rounded."""
     if g.shape[-1] <= 512:
@@ -48,15 +48,15 @@ def _position_sums(g: torch.Tensor) -> torch.Tensor:
     return torch.matmul(g.new_ones(1, g.shape[1]), g).squeeze(1)
 
 
-def _cat(ts: list[torch.Tensor], dim: int) -> torch.Tensor:
+def cat(ts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return ts[0] if len(ts) == 1 else torch.cat(ts, dim)  # cat copies even one tensor
 
 
-def _abs(t: torch.Tensor, absolute: bool) -> torch.Tensor:
+def abs_if(t: torch.Tensor, absolute: bool) -> torch.Tensor:
     return t.abs() if absolute else t
 
 
-def _per_example(t: torch.Tensor) -> int:
+def per_example(t: torch.Tensor) -> int:
     return t.numel() // max(1, len(t))
 
 
@@ -66,7 +66,7 @@ PER_SAMPLE_IF = 1.0  # per-sample gradients formed where they take at most this 
 def smaller_kept(m: nn.Module, a: torch.Tensor, g: torch.Tensor) -> bool:
     """Whether holding a and g costs clearly less memory than m's trainable per-sample gradients (forming those saves
     the clipped sum's weight-gradient kernel: within a margin they are worth their memory)."""
-    return PER_SAMPLE_IF * (_per_example(a) + _per_example(g)) < sum(getattr(m, name).numel() for name in trainable(m))
+    return PER_SAMPLE_IF * (per_example(a) + per_example(g)) < sum(getattr(m, name).numel() for name in trainable(m))
 
 
 KERNEL_ROWS = 2048  # the most (example, position) terms one clipped-sum kernel call reduces over: chunks of examples

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from workbench.privacy.clipping.bound import (SUBNORMAL, UNDERFLOW, U64, Bound, example_norms, gamma, diagonal_norms,
                                               gram32_margin, squares)
-from workbench.privacy.clipping.layers.common import (_abs, _cat, _per_example, _precise, kernel_depth, per_call,
+from workbench.privacy.clipping.layers.common import (abs_if, cat, kernel_depth, per_call, per_example, precise,
                                                       smaller_kept, trainable, weighted_sum)
 
 
@@ -97,21 +97,21 @@ class ConvRule:
 
     def per_sample(self, m, a, g):
         n, names = len(a), trainable(m)
-        g = _precise(g)
+        g = precise(g)
         out = {}
         if "weight" in names:
-            x, padding = self._padded(m, _precise(a))
+            x, padding = self._padded(m, precise(a))
             out["weight"] = self._per_example_weights(m, x, padding, g)
         if "bias" in names:
             out["bias"] = g.flatten(2).sum(2)
         return out
 
     def prepare(self, m, calls, n):
-        return _ConvState((*self._padded(m, _precise(a)), _precise(g)) for a, g in calls)
+        return _ConvState((*self._padded(m, precise(a)), precise(g)) for a, g in calls)
 
     def stashes(self, m, state) -> bool:
         """Whether the per-sample weight gradients formed for the norms are kept for the clipped sum (``STASH_IF``)."""
-        return m.weight.numel() <= self.STASH_IF * sum(_per_example(x) + _per_example(g) for x, _, g in state)
+        return m.weight.numel() <= self.STASH_IF * sum(per_example(x) + per_example(g) for x, _, g in state)
 
     def use_gram(self, m, length: int) -> bool:
         """Per-sample norms by the Gram trick (else from per-sample gradients) at L output positions (all calls)."""
@@ -158,8 +158,8 @@ class ConvRule:
         copies of x and g), the calls joined along positions, or by the input positions' Gram (one call)."""
         if by_inputs:
             return self._input_gram_norms(m, *chunk[0])
-        u = _cat([self._patches_as(m, x, padding, torch.float64) for x, padding, _ in chunk], -1)
-        g = _cat([g.double().reshape(len(g), m.groups, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
+        u = cat([self._patches_as(m, x, padding, torch.float64) for x, padding, _ in chunk], -1)
+        g = cat([g.double().reshape(len(g), m.groups, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
         return (u.transpose(-1, -2) @ u).mul_(g.transpose(-1, -2) @ g).sum((1, 2, 3)).clamp_(min=0)
 
     def _gram32_norms(self, m, chunk, by_inputs: bool) -> torch.Tensor:
@@ -172,8 +172,8 @@ class ConvRule:
         if by_inputs:
             uu, gg = self._input_grams(m, *chunk[0], torch.float32)
         else:
-            u = _cat([self._patches_as(m, x, padding, torch.float32) for x, padding, _ in chunk], -1)
-            g = _cat([g.reshape(len(g), 1, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
+            u = cat([self._patches_as(m, x, padding, torch.float32) for x, padding, _ in chunk], -1)
+            g = cat([g.reshape(len(g), 1, -1, math.prod(g.shape[2:])) for _, _, g in chunk], -1)
             uu, gg = u.transpose(-1, -2) @ u, g.transpose(-1, -2) @ g
         uu, gg, p = uu[:, 0], gg[:, 0], m.in_channels * math.prod(m.kernel_size)
         n2 = uu.double().mul_(gg.double()).sum((1, 2))
@@ -374,7 +374,7 @@ class ConvRule:
         for x, padding, g in self.prepare(m, [(a[k:k + 1], g[k:k + 1]) for a, g in calls], 1):
             u = self._patches(m, x, padding)[0]  # (groups, C_in k / groups, L): an independent route to the gradient
             gk = g[0].reshape(m.groups, -1, u.shape[-1])
-            u, gk = _abs(u, absolute), _abs(gk, absolute)
+            u, gk = abs_if(u, absolute), abs_if(gk, absolute)
             grads = {"weight": (gk @ u.transpose(-1, -2)).reshape(m.weight.shape), "bias": gk.sum(-1).reshape(-1)}
             for name in trainable(m):
                 out[name] = out[name] + grads[name] if name in out else grads[name]

@@ -7,7 +7,7 @@ import math
 import torch
 
 from workbench.privacy.clipping.bound import U64, Bound, example_norms, gamma
-from workbench.privacy.clipping.layers.common import Calls, _abs, _cat, _precise, kernel_depth, per_call
+from workbench.privacy.clipping.layers.common import Calls, abs_if, cat, kernel_depth, per_call, precise
 
 
 class EmbeddingRule:
@@ -21,8 +21,8 @@ class EmbeddingRule:
 
     @staticmethod
     def prepare(m, calls: Calls, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = _cat([a.reshape(n, -1) for a, _ in calls], 1)
-        g = _cat([_precise(g).reshape(n, -1, g.shape[-1]) for _, g in calls], 1)
+        idx = cat([a.reshape(n, -1) for a, _ in calls], 1)
+        g = cat([precise(g).reshape(n, -1, g.shape[-1]) for _, g in calls], 1)
         if m.padding_idx is not None:  # the padding row gets no gradient
             g = g * (idx != m.padding_idx).unsqueeze(-1).to(g.dtype)
         return idx, g
@@ -62,4 +62,4 @@ class EmbeddingRule:
     def sample(self, m, calls, k, absolute=False):
         idx, g = self.prepare(m, [(a[k:k + 1], g[k:k + 1]) for a, g in calls], 1)
         out = torch.zeros(m.weight.shape, device=g.device, dtype=g.dtype)
-        return {"weight": out.index_add_(0, idx.flatten(), _abs(g[0], absolute))}
+        return {"weight": out.index_add_(0, idx.flatten(), abs_if(g[0], absolute))}

@@ -10,8 +10,8 @@ from torch import nn
 
 from workbench.privacy.clipping.bound import (SUBNORMAL, UNDERFLOW, U32, U64, Bound, example_norms, gamma,
                                               diagonal_norms, gram32_margin, squares)
-from workbench.privacy.clipping.layers.common import (Calls, _abs, _cat, _gram64, _per_example, _position_sums,
-                                                      _precise, kernel_depth, per_call, trainable)
+from workbench.privacy.clipping.layers.common import (Calls, abs_if, cat, gram64, kernel_depth, per_call, per_example,
+                                                      position_sums, precise, trainable)
 
 
 class LinearRule:
@@ -48,9 +48,9 @@ class LinearRule:
         if a.dim() == 2:
             return True
         weights = sum(getattr(m, name).numel() for name in trainable(m))
-        if cls.FORM_IF * (_per_example(a) + _per_example(g)) < weights:
+        if cls.FORM_IF * (per_example(a) + per_example(g)) < weights:
             return True  # forming would take too much memory
-        t, d_in, d_out = _per_example(a) // a.shape[-1], a.shape[-1], g.shape[-1]
+        t, d_in, d_out = per_example(a) // a.shape[-1], a.shape[-1], g.shape[-1]
         return "weight" in trainable(m) and cls.gram_pays(t, d_in, d_out, cls.FORM_COST - 1.0)
 
     @classmethod
@@ -62,11 +62,11 @@ class LinearRule:
     @staticmethod
     def per_sample(m, a, g):
         n = len(a)
-        a, g = _precise(a).reshape(n, -1, a.shape[-1]), _precise(g).reshape(n, -1, g.shape[-1])
+        a, g = precise(a).reshape(n, -1, a.shape[-1]), precise(g).reshape(n, -1, g.shape[-1])
         names = trainable(m)
         out = {"weight": LinearRule._weights(a, g)} if "weight" in names else {}
         if "bias" in names:
-            out["bias"] = _position_sums(g)
+            out["bias"] = position_sums(g)
         return out
 
     @staticmethod
@@ -111,8 +111,8 @@ class LinearRule:
     @staticmethod
     def prepare(m, calls: Calls, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         if len(calls) == 1 and calls[0][0].dim() == 2:
-            return tuple(_precise(t) for t in calls[0])
-        return tuple(_cat([_precise(t).reshape(n, -1, t.shape[-1]) for t in ts], 1) for ts in zip(*calls))
+            return tuple(precise(t) for t in calls[0])
+        return tuple(cat([precise(t).reshape(n, -1, t.shape[-1]) for t in ts], 1) for ts in zip(*calls))
 
     def bound(self, m, state, n, batch):
         a, g = state
@@ -137,7 +137,7 @@ class LinearRule:
         else:
             (gn, g_rel), (an, a_rel) = example_norms(g), example_norms(a)
             w = squares(self._weights(a, g)) if "weight" in names else None
-        b = squares(_position_sums(g)) if "bias" in names else None
+        b = squares(position_sums(g)) if "bias" in names else None
         if w is None:
             n2, rel, floor, magnitude = b.n2, b.rel, b.floor, gn.mul_(math.sqrt(steps))
         elif b is None:
@@ -195,7 +195,7 @@ class LinearRule:
         route), as on the other routes."""
         n, steps, d_in = a.shape
         d_out = g.shape[2]
-        ga, gg = _gram64(a), _gram64(g)
+        ga, gg = gram64(a), gram64(g)
         if "bias" in names:
             ga.add_(1.0)
             d_in += 1
@@ -218,7 +218,7 @@ class LinearRule:
         if a.dim() == 2 and a.dtype == g.dtype == dtype:  # one row per example, in the buffer's precision
             self._add_clipped_rows(m, names, a, g, factor, view_of)
             return
-        c = per_call(_per_example(a) // a.shape[-1])
+        c = per_call(per_example(a) // a.shape[-1])
         narrow_a = a.shape[-1] < g.shape[-1]  # the factors scale the narrower of a and g: fewer products
         columns = _columns(layers)
         whole = len(columns) == 1  # one layer: its views directly, no column slices (a few us each on small layers)
@@ -264,7 +264,7 @@ class LinearRule:
 
     def sample(self, m, calls, k, absolute=False):
         a, g = (torch.cat([t[k].reshape(-1, t.shape[-1]) for t in ts], 0) for ts in zip(*calls))
-        a, g = _abs(a, absolute), _abs(g, absolute)
+        a, g = abs_if(a, absolute), abs_if(g, absolute)
         out = {"weight": g.t() @ a, "bias": g.sum(0)}
         return {name: out[name] for name in trainable(m)}
 
@@ -303,8 +303,8 @@ class JoinedLinearRule(LinearRule):
     @staticmethod
     def prepare(m, calls: Calls, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         a = calls[0][0]
-        return (_precise(a).reshape(n, -1, a.shape[-1]),
-                torch.cat([_precise(g).reshape(n, -1, g.shape[-1]) for _, g in calls], -1))
+        return (precise(a).reshape(n, -1, a.shape[-1]),
+                torch.cat([precise(g).reshape(n, -1, g.shape[-1]) for _, g in calls], -1))
 
 
 class Conv1DRule(LinearRule):

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from workbench.privacy.clipping.layers.common import _per_example, _precise, trainable
+from workbench.privacy.clipping.layers.common import per_example, precise, trainable
 from workbench.privacy.clipping.layers.conv import ConvRule
 from workbench.privacy.clipping.layers.linear import LinearRule
 
@@ -31,7 +31,7 @@ class PatchConvRule(ConvRule):
 
     def keeps(self, m, a, g) -> bool:
         formed = sum(getattr(m, name).numel() for name in trainable(m))
-        return formed > self.SMALL_FORMED and self.FORM_IF * (_per_example(a) + _per_example(g)) < formed
+        return formed > self.SMALL_FORMED and self.FORM_IF * (per_example(a) + per_example(g)) < formed
 
     @staticmethod
     def patches(m, a: torch.Tensor) -> torch.Tensor:
@@ -50,10 +50,10 @@ class PatchConvRule(ConvRule):
         """Weight gradients of each example in one batched matmul (contiguous: stacked or normed without a copy);
         bias gradients sum_l g_l as one matrix-vector product with 1s (a sum over few positions measured 2x slower)."""
         names, n = trainable(m), len(a)
-        g = _precise(g).reshape(n, g.shape[1], -1)  # (n, C_out, L)
+        g = precise(g).reshape(n, g.shape[1], -1)  # (n, C_out, L)
         out = {}
         if "weight" in names:
-            out["weight"] = torch.bmm(g, self.patches(m, _precise(a))).view(n, *m.weight.shape)
+            out["weight"] = torch.bmm(g, self.patches(m, precise(a))).view(n, *m.weight.shape)
         if "bias" in names:
             out["bias"] = torch.mv(g.reshape(-1, g.shape[2]), g.new_ones(g.shape[2])).view(n, g.shape[1])
         return out
