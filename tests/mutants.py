@@ -71,7 +71,7 @@ MUTANTS = (
            "torch.mv(gs.t(), (self.clip / (torch.linalg.vector_norm(gs, dim=1) + 1e-6)).clamp(max=1.0))",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear-hooks]",)),
     Mutant("bk-norm-without-bias", "book-keeping leaves the bias out of each example's norm: under-clipped examples",
-           "workbench/privacy/clipping/layers.py", "(1.0 if \"bias\" in names else 0.0)", "0.0",
+           "workbench/privacy/clipping/layers/linear.py", "(1.0 if \"bias\" in names else 0.0)", "0.0",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear-bk]",)),
     Mutant("bk-alias-not-hidden", "a rule-less module's second reference to a layer's parameter stays visible during "
            "bk's forward: a use of it outside the layer, which the layer's rule does not see, is missing from the "
@@ -100,42 +100,42 @@ MUTANTS = (
     # issue 19: each route's factor recomputed from another precision or quantity than what its kernel sums
     Mutant("fp-conv-kept-norm-without-kernel-error", "the conv kept/Gram route clips against its float64 norm alone: "
            "the float32 kernel's rounding of cancelling terms escapes the clip",
-           "workbench/privacy/clipping/layers.py", "err += (formed + kernel) * magnitude", "err += 0 * magnitude",
+           "workbench/privacy/clipping/layers/conv.py", "err += (formed + kernel) * magnitude", "err += 0 * magnitude",
            (FP_CANCEL + "[conv1x1_kept]", FP_CANCEL + "[patch_embedding]")),
     Mutant("conv-input-gram-offsets-unstrided", "the conv Gram route without patches reads the input positions' Gram "
            "as if stride and dilation were 1: strided or dilated layers' norms are wrong",
-           "workbench/privacy/clipping/layers.py", "rows = tuple(slice(o * d, o * d + (size - 1) * st + 1, st)",
+           "workbench/privacy/clipping/layers/conv.py", "rows = tuple(slice(o * d, o * d + (size - 1) * st + 1, st)",
            "rows = tuple(slice(o, o + size)",
            ("tests/test_clipping.py::test_the_input_gram_route_gives_each_examples_squared_norm[config1]",
             "tests/test_clipping.py::test_book_keeping_matches_the_per_example_loop[64-conv1d_dilated_kept_gram_by_"
             "inputs]")),
     Mutant("conv-gram-chunk-norms-misplaced", "the conv Gram route writes each chunk's norms to the first examples' "
-           "rows: an example is clipped by another's norm", "workbench/privacy/clipping/layers.py",
+           "rows: an example is clipped by another's norm", "workbench/privacy/clipping/layers/conv.py",
            "n2[s:s + step] = (self._gram32", "n2[:len(chunk[0][2])] = (self._gram32",
            ("tests/test_clipping.py::test_conv_rule_in_chunks_of_examples_matches_the_per_example_loop"
             "[conv2d_kept_gram]",)),
     Mutant("fp-conv-gram32-without-margin", "the conv Gram route from float32 Gram matrices takes their sum for the "
            "squared norm, without the rounding margin: an example whose terms cancel is clipped against rounding",
-           "workbench/privacy/clipping/layers.py", "margin = gram32_margin(diagonal_norms(uu, p)",
+           "workbench/privacy/clipping/layers/conv.py", "margin = gram32_margin(diagonal_norms(uu, p)",
            "margin = 0 * gram32_margin(diagonal_norms(uu, p)",
            ("tests/test_clipping.py::test_the_float32_gram_route_bounds_each_examples_squared_norm_from_above[True]",
             "tests/test_clipping.py::test_the_float32_gram_route_bounds_each_examples_squared_norm_from_above[False]")),
     Mutant("conv-stash-chunks-misplaced", "the conv kept route scales each stashed chunk of per-sample gradients "
            "by the first examples' factors: an example is clipped by another's norm",
-           "workbench/privacy/clipping/layers.py", "s += len(w)", "s += 0",
+           "workbench/privacy/clipping/layers/conv.py", "s += len(w)", "s += 0",
            ("tests/test_clipping.py::test_conv_rule_in_chunks_of_examples_matches_the_per_example_loop[conv2d_kept]",)),
     Mutant("conv-patch-sum-rows-unstrided", "the conv clipped sum by patches reads windows as if the stride were 1: "
-           "strided layers add the wrong positions' inputs", "workbench/privacy/clipping/layers.py",
+           "strided layers add the wrong positions' inputs", "workbench/privacy/clipping/layers/conv.py",
            "(st[0], *[k * s for k, s in zip(m.stride, st[1:1 + dims])], per,", "(st[0], *st[1:1 + dims], per,",
            ("tests/test_clipping.py::test_the_clipped_sum_by_patches_is_the_weight_gradient[config1]",)),
     Mutant("conv-stash-by-patches-in-kernel-order", "the conv kept route adds per-sample gradients formed tap-major "
            "(by shifts or patches) as if their columns were in the weight's order: channels and kernel taps swapped",
-           "workbench/privacy/clipping/layers.py", "movedim(-1, 1) if state.tap_major", "movedim(-1, 1) if False",
+           "workbench/privacy/clipping/layers/conv.py", "movedim(-1, 1) if state.tap_major", "movedim(-1, 1) if False",
            ("tests/test_clipping.py::test_kept_convolutions_summed_by_patches_match_the_per_example_loop"
             "[conv2d_kept]",)),
     Mutant("conv-shifts-gradient-unspread", "the conv kept route's per-sample gradients by shifted input rows place "
            "g contiguously, not at its positions' rows of the padded input: taps read the wrong input positions",
-           "workbench/privacy/clipping/layers.py",
+           "workbench/privacy/clipping/layers/conv.py",
            "wide.as_strided((n, g.shape[1], *out), (g.shape[1] * q, q, *steps)).copy_(g)",
            "wide[..., :math.prod(out)].copy_(g.flatten(2))",
            ("tests/test_clipping.py::test_per_sample_gradients_by_shifts_and_by_patches_are_each_examples[config0]",
@@ -143,20 +143,20 @@ MUTANTS = (
             "[conv2d_kept]")),
     Mutant("fp-linear-seq-norm-without-kernel-error", "the Linear sequence kept route clips against the float32 "
            "per-sample norm, not the matmul's sum",
-           "workbench/privacy/clipping/layers.py", "scale = (formed + gamma(kernel_depth(batch, steps)))",
+           "workbench/privacy/clipping/layers/linear.py", "scale = (formed + gamma(kernel_depth(batch, steps)))",
            "scale = 0 * (formed + gamma(kernel_depth(batch, steps)))",
            (FP_CANCEL + "[linear_seq_kept_formed]", FP_FUZZ,
             "tests/test_fp_bound.py::test_a_reduced_float32_matmul_precision_does_not_loosen_the_bound[medium-formed]",
             "tests/test_fp_bound.py::test_a_reduced_float32_matmul_precision_does_not_loosen_the_bound[high-formed]")),
     Mutant("bk-linear-gram-drops-cross-positions", "the Linear Gram route sums <a_t,a_t><g_t,g_t> alone (positions "
-           "taken for examples): each example's norm is wrong", "workbench/privacy/clipping/layers.py",
+           "taken for examples): each example's norm is wrong", "workbench/privacy/clipping/layers/linear.py",
            "n2 = ga.double().mul_(gg.double()).sum((1, 2))",
            "n2 = ga.double().mul_(gg.double()).diagonal(dim1=1, dim2=2).sum(1)",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear_sequence_gram-bk]",
             "tests/test_layers.py::test_the_linear_gram_route_is_taken_where_it_costs_fewer_flops")),
     Mutant("bk-patch-columns-out-of-order", "the patch convolution's patches lay their pixels out kernel-major, not "
            "in the weight's (C_in, *k) order: each example's gradient lands on the wrong weights",
-           "workbench/privacy/clipping/layers.py",
+           "workbench/privacy/clipping/layers/patch_conv.py",
            "order = (0, *[2 + 2 * i for i in range(dims)], 1, *[3 + 2 * i for i in range(dims)])",
            "order = (0, *[2 + 2 * i for i in range(dims)], *[3 + 2 * i for i in range(dims)], 1)",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[conv2d_patches-bk]",
@@ -164,34 +164,34 @@ MUTANTS = (
             "forms")),
     Mutant("fp-linear-gram32-without-margin", "the Linear float32 Gram route clips against its float32 sum, not an "
            "upper bound: about half the examples' norms round below the exact and escape the clip by up to 2^-8",
-           "workbench/privacy/clipping/layers.py", "bound = n2.clamp(min=0).add_(margin).mul_(1.0 + 4 * U64)",
+           "workbench/privacy/clipping/layers/linear.py", "bound = n2.clamp(min=0).add_(margin).mul_(1.0 + 4 * U64)",
            "bound = n2.clamp(min=0).mul_(1.0 + 4 * U64)",
            ("tests/test_layers.py::test_the_float32_gram_bound_holds_and_falls_back_to_float64_where_it_is_loose",
             "tests/test_layers.py::test_the_linear_gram_route_is_taken_where_it_costs_fewer_flops")),
     Mutant("bk-linear-gram64-drops-bias", "the float64 Gram route of small matrices leaves the bias out of the "
            "folded input (a'_t = [a_t, 0], not [a_t, 1]): each example's norm misses its bias gradient",
-           "workbench/privacy/clipping/layers.py", "            ga.add_(1.0)\n            d_in += 1",
+           "workbench/privacy/clipping/layers/linear.py", "            ga.add_(1.0)\n            d_in += 1",
            "            ga.add_(0.0)\n            d_in += 1",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear_sequence_gram-bk]",
             "tests/test_layers.py::test_the_float64_gram_route_of_small_matrices_bounds_weight_and_bias_together")),
     Mutant("fp-linear-gram64-without-kernel-error", "the float64 Gram route clips against its float64 norm and its "
            "own margin, not the float32 kernel's rounding of what it sums",
-           "workbench/privacy/clipping/layers.py", "scale = (gamma(kernel_depth(batch, steps)) + math.sqrt(",
+           "workbench/privacy/clipping/layers/linear.py", "scale = (gamma(kernel_depth(batch, steps)) + math.sqrt(",
            "scale = (0 * gamma(kernel_depth(batch, steps)) + math.sqrt(",
            ("tests/test_layers.py::test_the_float64_gram_route_of_small_matrices_bounds_weight_and_bias_together",)),
     Mutant("fp-linear-gram64-without-err", "the float64 Gram route returns no error term: an example whose positions "
            "cancel has a Gram norm near 0 and its float32 kernel's rounding is released unclipped (~170 C)",
-           "workbench/privacy/clipping/layers.py", "return Bound(n2, err=s.mul_(scale * (1.0 + 2 * U64)),",
+           "workbench/privacy/clipping/layers/linear.py", "return Bound(n2, err=s.mul_(scale * (1.0 + 2 * U64)),",
            "return Bound(n2, err=s.mul_(0.0),",
            ("tests/test_layers.py::test_the_float64_gram_route_counts_the_float32_kernels_rounding",)),
     Mutant("fp-linear-gram64-keeps-huge-entries", "the float64 Gram route keeps examples with entries past 2^64 in "
            "the float32 kernel: a scaled value rounded to a subnormal then moves a product by more than the slack",
-           "workbench/privacy/clipping/layers.py", "n2.masked_fill_(big, math.inf)",
+           "workbench/privacy/clipping/layers/linear.py", "n2.masked_fill_(big, math.inf)",
            "n2.masked_fill_(big & False, math.inf)",
            ("tests/test_layers.py::test_the_float64_gram_route_of_small_matrices_bounds_weight_and_bias_together",)),
     Mutant("bk-linear-seq-bias-unscaled", "a kept Linear sequence's bias is summed into its buffer without the "
            "clip factors: every clipped example's bias gradient is released whole",
-           "workbench/privacy/clipping/layers.py", "view_of[id(layers[0].bias)].addmv_(rows.t(), scale)",
+           "workbench/privacy/clipping/layers/linear.py", "view_of[id(layers[0].bias)].addmv_(rows.t(), scale)",
            "view_of[id(layers[0].bias)].addmv_(rows.t(), torch.ones_like(scale))",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[linear_sequence_gram-bk]",)),
     Mutant("bk-joins-linears-of-other-inputs", "book-keeping joins Linear layers whose inputs merely have one shape "
@@ -207,7 +207,7 @@ MUTANTS = (
            ("tests/test_model_zoo.py::test_broadcast_parameters_get_each_examples_own_clipped_gradient"
             "[auto-layer_scale_rezero]",)),
     Mutant("fp-embedding-norm-without-kernel-error", "Embedding clips against float64 row sums, not the float32 "
-           "index_add_ that sums them", "workbench/privacy/clipping/layers.py",
+           "index_add_ that sums them", "workbench/privacy/clipping/layers/embedding.py",
            "magnitude.mul_((gamma(steps, U64) + gamma(kernel_depth(batch, steps))) * scale)",
            "magnitude.mul_(0 * scale)", (FP_CANCEL + "[embedding]",)),
     Mutant("bk-tied-weight-without-cross-term", "a weight tied between an Embedding and a Linear (GPT-2's wte and "
@@ -219,7 +219,7 @@ MUTANTS = (
            "float32 index_add_ and matmul add", "workbench/privacy/clipping/tied.py",
            "scale = (1 + max(u_rel, g_rel))", "scale = 0 * (1 + max(u_rel, g_rel))", (FP_CANCEL + "[tied]",)),
     Mutant("bk-hf-conv1d-sum-untransposed", "GPT-2's Conv1D (a Linear stored transposed) gets the Linear layout's "
-           "clipped sum: a square projection's update is its transpose", "workbench/privacy/clipping/layers.py",
+           "clipped sum: a square projection's update is its transpose", "workbench/privacy/clipping/layers/linear.py",
            "view_of = {**view_of, id(m.weight): view_of[id(m.weight)].t()}", "view_of = view_of",
            ("tests/test_layers.py::test_clipped_sum_equals_the_per_example_loop[hf_conv1d_sequence_kept-bk]",)),
     Mutant("bk-leading-1-read-per-call", "shared position ids whose first dimension is 1 in one call are taken for a "
@@ -229,7 +229,7 @@ MUTANTS = (
            ("tests/test_model_zoo.py::test_shared_position_ids_stay_per_example_when_a_later_batch_is_one_token_long"
             "[False]",)),
     Mutant("fp-linear-rows-norm-in-bf16", "the Linear rows route's norms from bf16-rounded inputs: rounded down, an "
-           "example escapes the clip", "workbench/privacy/clipping/layers.py", "aa = torch.linalg.vecdot(a, a)", "aa = torch.linalg.vecdot(a.bfloat16(), a.bfloat16()).float()",
+           "example escapes the clip", "workbench/privacy/clipping/layers/linear.py", "aa = torch.linalg.vecdot(a, a)", "aa = torch.linalg.vecdot(a.bfloat16(), a.bfloat16()).float()",
            (FP_FUZZ,)),
     Mutant("bk-rows-lean-adds-non-finite", "bk's lean rows path adds even where an example's bound is not finite "
            "(0 * inf = NaN in the release) instead of handing the batch to the generic path's float64 route",

@@ -73,3 +73,17 @@ def test_a_rerun_reads_its_epsilon_schedule_back_equal_to_a_fresh_computation(tm
     lines = first.lines_accountant(values[-1])
     assert values == [lines.epsilon(10, 1e-5), fresh.epsilon(20, 1e-5)]
     assert len(list(tmp_path.glob("epsilon-*.json"))) == 2 * written
+
+
+def test_a_cached_epsilon_depends_on_every_accounting_module_it_is_computed_by():
+    """code_version hashes accountant.MODULES: a module they import from privacy/accounting/ but that is not listed
+    (the root solver, say) could change a calibrated sigma while the cache kept serving the old one."""
+    import re
+    from pathlib import Path
+
+    from workbench.privacy.accounting.accountant import MODULES
+
+    here = Path(cache.__file__).resolve().parent / "privacy" / "accounting"
+    imported = {name for module in MODULES
+                for name in re.findall(r"workbench\.privacy\.accounting\.(\w+)", (here / f"{module}.py").read_text())}
+    assert imported <= set(MODULES), f"not in code_version: {sorted(imported - set(MODULES))}"

@@ -4,6 +4,7 @@
 - pld.py          one step's privacy loss distribution (pld_losses.py: dp_accounting's losses, vectorised)
 - accountant.py   :class:`Accountant`, a run's ledger (pld | rdp | prv), and :class:`EpsilonSchedule`
 - calibration.py  the smallest sigma for a target epsilon; the default delta; argument checks
+- solve.py        the one root solver: where epsilon crosses a target (calibration's sigma, the most steps)
 - banded.py       amplified BandMF: DP-SGD's event over ceil(T/b) participations, as an Accountant
 - blt.py          BLT over fixed batches: one Gaussian of multiplier sigma / sens(t), as an Accountant
 - tuning.py       composition across runs: what a sweep costs (all points, or only the best of K, selection.py)

@@ -24,6 +24,7 @@ from workbench.errors import WorkbenchError
 from workbench.privacy.accounting.events import _check_event_args, _is_int, _is_real, _step_event, dp_event
 from workbench.privacy.accounting.lazy import _pld, _rdp, dp_accounting
 from workbench.privacy.accounting.pld import DEFAULT_PLD_DISCRETIZATION, StepPLD, _step_pld
+from workbench.privacy.accounting.solve import meeting_end
 
 def code_version() -> str:
     """What a cached privacy result (workbench/cache.py) depends on besides its arguments: this package's source and
@@ -34,7 +35,8 @@ def code_version() -> str:
                               ("dp-accounting", "opacus"))
 
 
-MODULES = ("lazy", "events", "pld", "pld_losses", "accountant", "calibration", "banded", "blt")  # what an epsilon is computed by
+# what an epsilon is computed by (a cached result is stale when one of them changes)
+MODULES = ("lazy", "events", "pld", "pld_losses", "accountant", "calibration", "solve", "banded", "blt")
 ACCOUNTANTS = ("pld", "rdp", "prv")
 
 _STATE_KEYS = ("kind", "sample_rate", "noise_multiplier", "world_size", "shard", "pld_discretization", "steps")
@@ -139,7 +141,7 @@ class Accountant:
         """The largest ``T <= upper`` with ``epsilon(T, delta) <= target_epsilon``; 0 if one step already exceeds it.
 
         A bracketing search (``epsilon(lo) <= target < epsilon(hi)`` throughout, so the answer is exact whatever the
-        shape of the curve) that guesses by regula falsi on log(epsilon) against log(T).
+        shape of the curve) that guesses by regula falsi on log(epsilon) against log(T) (solve.py).
         """
         if not (_is_int(upper) and upper >= 0):
             raise WorkbenchError(f"upper must be an integer >= 0, got {upper!r}")
@@ -150,29 +152,7 @@ class Accountant:
             return 0
         if self.epsilon(upper, delta) <= target_epsilon:
             return upper
-        # regula falsi (Illinois) on log(epsilon) - log(target) against log(T), on integers: lo meets, hi exceeds
-        def gap(t: int) -> float:
-            return math.log(max(self.epsilon(t, delta), 1e-300)) - math.log(target_epsilon)
-
-        lo, hi = 1, upper
-        g_lo, g_hi = gap(lo), gap(hi)
-        side = 0
-        while hi - lo > 1:
-            a, b = math.log(lo), math.log(hi)
-            x = b - g_hi * (b - a) / (g_hi - g_lo) if g_hi != g_lo else (a + b) / 2
-            mid = min(max(round(math.exp(x)), lo + 1), hi - 1)
-            g = gap(mid)
-            if g <= 0:
-                lo, g_lo = mid, g
-                if side == -1:  # Illinois: the same end moved twice in a row, halve the other end's weight
-                    g_hi /= 2
-                side = -1
-            else:
-                hi, g_hi = mid, g
-                if side == 1:
-                    g_lo /= 2
-                side = 1
-        return lo
+        return meeting_end(lambda t: self.epsilon(t, delta), target_epsilon, 1, upper)  # 1 meets, upper exceeds
 
     def coarser(self, factor: float) -> "Accountant":
         """The same mechanism on a PLD grid ``factor`` times coarser: a looser upper bound, composed faster."""

@@ -9,6 +9,7 @@ from workbench.errors import WorkbenchError
 from workbench.privacy.accounting.accountant import Accountant
 from workbench.privacy.accounting.events import _is_int, _is_real
 from workbench.privacy.accounting.lazy import _rdp, dp_accounting
+from workbench.privacy.accounting.solve import meeting_end
 
 # calibrate_noise searches sigma in this bracket. Below 0.3 DP-SGD gives next to no privacy and the PLD of a step
 # becomes very wide (slow); above 1000 no useful training happens.
@@ -50,7 +51,7 @@ def calibrate_noise(kind: str, sample_rate: float, steps: int, target_epsilon: f
 
     Returns ``SIGMA_MIN`` when that already meets the target; raises ``WorkbenchError`` when ``SIGMA_MAX`` does not.
     Search: bracket around an RDP starting guess by growing multiplicative steps, then regula falsi (Illinois) on
-    log(epsilon) vs log(sigma); typically 6-10 evaluations of the accountant.
+    log(epsilon) vs log(sigma) (solve.py); typically 6-10 evaluations of the accountant.
     """
     if not (_is_real(target_epsilon) and 0 < target_epsilon < math.inf):
         raise WorkbenchError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
@@ -98,28 +99,8 @@ def calibrate_noise(kind: str, sample_rate: float, steps: int, target_epsilon: f
                 lo = sigma
             factor **= 2
 
-    def gap(sigma: float) -> float:  # log(epsilon / target): > 0 misses, <= 0 meets
-        return math.log(max(eps(sigma), 1e-300)) - math.log(target_epsilon)
-
-    g_lo, g_hi = gap(lo), gap(hi)
-    margin = 0.25 * math.log1p(SIGMA_RTOL)
-    side = 0
-    while hi / lo > 1 + SIGMA_RTOL:
-        a, b = math.log(lo), math.log(hi)
-        x = b - g_hi * (b - a) / (g_hi - g_lo) if g_lo != g_hi else (a + b) / 2
-        sigma = math.exp(min(max(x, a + margin), b - margin))  # strictly inside: the bracket always shrinks
-        g = gap(sigma)
-        if g <= 0:
-            hi, g_hi = sigma, g
-            if side == 1:  # Illinois: the same end moved twice in a row, halve the other end's weight
-                g_lo /= 2
-            side = 1
-        else:
-            lo, g_lo = sigma, g
-            if side == -1:
-                g_hi /= 2
-            side = -1
-    if not eps(hi) <= target_epsilon:  # cannot happen: hi only ever takes values that met the target
+    hi = meeting_end(eps, target_epsilon, lo, hi, rtol=SIGMA_RTOL)
+    if not eps(hi) <= target_epsilon:  # cannot happen: meeting_end returns only a point that met the target
         raise AssertionError(f"calibrate_noise overshot: epsilon({hi}) = {eps(hi)} > {target_epsilon}")
     return hi
 

@@ -49,7 +49,7 @@ from workbench.privacy.clipping.bk_check import PreRunCheck, _input
 from workbench.privacy.clipping.bound import (add_exact, clip_factors, exact_float32, materialised, stack_small,
                                                zero_rows)
 from workbench.privacy.clipping.layers import (RULES, EmbeddingRule, JoinedLinearRule, JoinedLinears, LinearRule,
-                                                _precise, rule_for, trainable, weighted_sum)
+                                                precise, rule_for, trainable, weighted_sum)
 from workbench.privacy.clipping.rows import LinearRows
 from workbench.privacy.clipping.tied import TiedPair, tie, tied_pairs
 from workbench.errors import WorkbenchError
@@ -126,7 +126,7 @@ class RawRule:
 
     @staticmethod
     def per_sample(h: _Raw, a, g):
-        return {"weight": _precise(g).reshape(len(g), *h.weight.shape)}
+        return {"weight": precise(g).reshape(len(g), *h.weight.shape)}
 
     @staticmethod
     def sample(h: _Raw, calls, k, absolute=False):
