@@ -415,7 +415,7 @@ MUTANTS = (
            ("tests/test_selection.py::test_the_profile_bound_rounds_up_and_is_within_a_percent_of_the_exact_claim"
             "[poisson-3-2.0]",)),
     Mutant("fp-kernel-count-quartered", "the clipped-sum kernels' rounding count is a quarter of the products they sum: "
-           "every kept and rows route's margin 4x too small", "workbench/privacy/clipping/layers.py",
+           "every kept and rows route's margin 4x too small", "workbench/privacy/clipping/layers/common.py",
            "    return min(batch, c) * positions + calls * math.ceil(batch / c) + 2",
            "    return (min(batch, c) * positions + calls * math.ceil(batch / c) + 2) // 4",
            tuple(f"tests/test_fp_bound.py::test_each_clip_factor_leaves_room_for_an_independently_counted_rounding[{s}]" for s in ("linear_rows", "linear_seq_kept", "linear_seq_formed_norms",
@@ -455,6 +455,23 @@ MUTANTS = (
            "mlflow.db before refusing (issue 45)", "workbench/tracking/tracker.py",
            "if run_id is not None and _creates_store(self.uri):", "if run_id is not None and False:",
            ("tests/test_resume.py::test_resume_refusals",)),
+    Mutant("solve-side-by-log-gap", "the root solver decides which side of the target a point is on by the log gap, "
+           "which can round an epsilon one float above the target onto it: a sigma or step count that exceeds it",
+           "workbench/privacy/accounting/solve.py", "        if (e <= target) == lo_meets:", "        if (gap(e) <= 0) == lo_meets:",
+           ("tests/test_solve.py::test_the_side_is_the_exact_comparison_not_the_log_gap",)),
+    Mutant("solve-returns-the-missing-end", "the solver returns the bracket's end that misses the target",
+           "workbench/privacy/accounting/solve.py", "    return lo if lo_meets else hi", "    return hi if lo_meets else lo",
+           ("tests/test_solve.py::test_integers_give_the_most_steps_that_meet_as_brute_force_does",)),
+    Mutant("solve-trusts-any-bracket", "a bracket whose ends do not straddle the target is searched anyway",
+           "workbench/privacy/accounting/solve.py", "    if lo_meets == (e_hi <= target):", "    if False:",
+           ("tests/test_solve.py::test_a_bracket_that_does_not_straddle_the_target_is_refused",)),
+    Mutant("solve-integers-stop-two-apart", "the integer search stops two apart: a step count short of the budget, or "
+           "one past it", "workbench/privacy/accounting/solve.py", "(hi - lo > 1) if integer", "(hi - lo > 2) if integer",
+           ("tests/test_solve.py::test_integers_give_the_most_steps_that_meet_as_brute_force_does",)),
+    Mutant("cache-key-without-solver", "the on-disk cache key leaves the solver out: a changed solver reads stale "
+           "sigmas and budgets", "workbench/privacy/accounting/accountant.py", '"calibration", "solve", "banded"',
+           '"calibration", "banded"',
+           ("tests/test_cache.py::test_a_cached_epsilon_depends_on_every_accounting_module_it_is_computed_by",)),
 )
 
 
