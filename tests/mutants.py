@@ -381,7 +381,7 @@ MUTANTS = (
            ("tests/test_refusals_up_front.py::test_a_combination_the_config_decides_is_refused_by_the_up_front_check"
             "[optimizer=dp_adamw-privacy.mechanism=bandmf]",)),
     Mutant("typed-default-dropped", "a value the user typed for a replaced _target_ is dropped because it equals the "
-           "replaced option's default", "workbench/config.py", ' and f"{path}.{key}" not in typed:', ":",
+           "replaced option's default", "workbench/config.py", ' and not any(\n                k == mine or k.startswith(mine + ".") for k in typed):', ":",
            ("tests/test_refusals_up_front.py::test_a_typed_value_equal_to_the_replaced_options_default_is_passed"
             "[model=mlp-model.in_features]",)),
     Mutant("every-rank-prints-its-refusal", "under torchrun every rank prints the refusal (one line per rank)",
@@ -444,7 +444,7 @@ MUTANTS = (
            ("tests/test_sweeps.py::test_random_stopping_sweep_trains_the_drawn_trials_and_reports_the_bound",)),
     Mutant("sweep-points-share-a-pinned-stream", "two sweep points with one pinned secret and seed draw the same noise "
            "(released together it can cancel): not refused", "workbench/config.py",
-           "        if key in seen:\n", "        if False:\n",
+           "            if (stream, key) in seen:\n", "            if False:\n",
            ("tests/test_sweeps.py::test_sweep_points_sharing_a_pinned_secret_and_seed_are_refused_before_any_work",)),
     Mutant("resume-dedup-keyed-on-the-loss", "a resumed run recognises a logged line by its loss, which a private run "
            "does not publish: the steps between its checkpoint and the interruption are logged twice (issue 45)",
@@ -472,6 +472,23 @@ MUTANTS = (
            "sigmas and budgets", "workbench/privacy/accounting/accountant.py", '"calibration", "solve", "banded"',
            '"calibration", "banded"',
            ("tests/test_cache.py::test_a_cached_epsilon_depends_on_every_accounting_module_it_is_computed_by",)),
+    Mutant("sweep-points-share-pinned-batches", "sweep points with one pinned secret and data_seed but other seeds "
+           "draw the same batches with independent noise (one Gaussian of sigma / sqrt 2): not refused",
+           "workbench/config.py", '("batches", (secret, data_seed if data_seed is not None',
+           '("batches", (secret, i, data_seed if data_seed is not None',
+           ("tests/test_sweeps.py::test_sweep_points_sharing_a_pinned_secret_and_seed_are_refused_before_any_work",)),
+    Mutant("typed-inside-a-dict-dropped", "a value typed inside a dict argument of a replaced _target_ "
+           "(model.config.vocab_size=64) drops the whole argument", "workbench/config.py",
+           'k == mine or k.startswith(mine + ".")', "k == mine",
+           ("tests/test_refusals_up_front.py::test_a_value_typed_inside_a_dict_argument_keeps_the_whole_argument",)),
+    Mutant("sweep-candidates-forget-the-typed-keys", "random stopping's candidates are planned without the keys the "
+           "user typed: an undrawn point enters the best-of-K bound with another q", "workbench/sweep/driver.py",
+           "cfg.hydra.runtime.choices, list(cfg.hydra.overrides.task))", "cfg.hydra.runtime.choices)",
+           ("tests/test_sweeps.py::test_a_candidate_is_planned_with_the_values_the_user_typed",)),
+    Mutant("peers-share-one-key-across-runs", "a torchrun job's later run reads an earlier run's stop counts and "
+           "refusal (one store for the job)", "workbench/interrupt.py",
+           'store = PrefixStore(f"workbench.run.{run_key}.", store)', 'store = PrefixStore("workbench.run.", store)',
+           ("tests/test_refusals_up_front.py::test_rank_0_tells_its_refusal_and_a_peer_stays_quiet_only_on_the_same_line",)),
 )
 
 

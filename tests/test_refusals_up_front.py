@@ -50,6 +50,11 @@ def test_the_same_combinations_run_once_they_are_supported():
                  ["bf16=true"], ["privacy.grad_sample_mode=hooks", "bf16=true"], ["backend=gloo"], USERS_BANDS[:2],
                  ["privacy.accountant=rdp", "shard=global"]):  # one process: no parallel Poisson
         assert len(check_args(args)) == 1, args
+    # Hydra's SLURM launcher runs the job on a node: its device and backend are asked there, not here
+    for args in (["fp16=true"], ["backend=nccl"]):
+        assert len(check_args(["-m", "hydra/launcher=submitit_slurm", *args])) == 1, args
+    with pytest.raises(WorkbenchError, match="ddp_backend=nccl needs"):  # Hydra's local one runs it here
+        check_args(["-m", "hydra/launcher=submitit_local", "backend=nccl"])
 
 
 def _assert_nothing_left(tmp_path):
@@ -82,20 +87,56 @@ def test_too_many_bands_for_the_users_is_refused_before_the_model_is_built(make_
 
 def test_a_rank_above_0_refuses_in_silence_and_says_it_only_when_rank_0_did_not(monkeypatch, capsys):
     from workbench import __main__ as cli
+    from workbench.errors import TrainingStopped
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     for rank, expect in (("0", "error: no\n"), ("1", "")):
         monkeypatch.setenv("RANK", rank)
         with pytest.raises(SystemExit) as e:
-            cli.refuse(WorkbenchError("no"))
+            cli.refuse(WorkbenchError("no"), alike=True)
         assert e.value.code == 2 and capsys.readouterr().err == expect
+    # A refusal rank 0 was not found to make alike (this rank's own data), or a stop: this rank says it, named.
+    alike_in_job = WorkbenchError("no")
+    alike_in_job.alike = True
+    for error, code, expect in ((WorkbenchError("no"), 2, "error: rank 1: no\n"), (alike_in_job, 2, ""),
+                                (TrainingStopped("stopped"), 1, "error: rank 1: stopped\n")):
+        with pytest.raises(SystemExit) as e:
+            cli.refuse(error)
+        assert e.value.code == code and capsys.readouterr().err == expect
     # Under torchrun, a rank > 0 waits for torchrun to stop it (rank 0 refused alike and said why); if it is still
     # running afterwards, rank 0 did not refuse, and this rank says why itself.
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     monkeypatch.setattr(cli, "PEER_REFUSAL_WAIT_S", 0.0)
     with pytest.raises(SystemExit) as e:
-        cli.refuse(WorkbenchError("no"))
+        cli.refuse(WorkbenchError("no"), alike=True)
     assert e.value.code == 2 and capsys.readouterr().err == "error: rank 1: no\n"
+
+
+def test_rank_0_tells_its_refusal_and_a_peer_stays_quiet_only_on_the_same_line():
+    """Peers.refused_alike on a real TCPStore, two runs apart in one store (as in one torchrun job): rank 0's
+    refusal is read by rank 1 under this run's key alone; another line, or another run's, is not alike."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from workbench import interrupt
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+    old_wait = interrupt.REFUSAL_WAIT
+    interrupt.REFUSAL_WAIT = 0.5
+    try:
+        first = [interrupt.join(s, 2, rank, "run-a") for rank, s in ((0, server), (1, client))]
+        assert first[0].refused_alike(WorkbenchError("b B / N > 1"))
+        assert first[1].refused_alike(WorkbenchError("b B / N > 1"))
+        assert not first[1].refused_alike(WorkbenchError("example 1048 has label 12"))
+        first[1].count("failed")
+        assert first[0].read("failed") == 1
+        second = interrupt.join(client, 2, 1, "run-b")  # the job's next run: rank 0 has not refused in it
+        assert not second.refused_alike(WorkbenchError("b B / N > 1"))
+        assert second.read("failed") == 0 and second.read("signalled") == 0
+    finally:
+        interrupt.REFUSAL_WAIT = old_wait
 
 
 def _torchrun(tmp_path, module, *args):
@@ -159,6 +200,16 @@ def test_a_typed_value_equal_to_the_replaced_options_default_is_passed(choice, p
     assert own.get("_partial_") == option.get("_partial_")  # how to build it is Hydra's, never an argument
     # The same node without the typed value: the option's default is dropped, as before.
     assert key not in config.own_arguments(compose([choice, f"{path}._target_=collections.OrderedDict"]), path)
+
+
+def test_a_value_typed_inside_a_dict_argument_keeps_the_whole_argument():
+    """model.config.vocab_size=64 (equal to tiny_bert's) types inside `config`: the replaced class gets config whole,
+    as typed; num_labels, not typed, is dropped."""
+    from workbench import compose, config
+
+    for typed in (["model.config.vocab_size=64"], ["model.config={model_type: bert, vocab_size: 64}"]):
+        own = config.own_arguments(compose(["model=tiny_bert", "model._target_=builtins.dict", *typed]), "model")
+        assert own["config"]["vocab_size"] == 64 and "num_labels" not in own, own
 
 
 def test_set_keys_reads_each_override_as_hydra_parses_it():

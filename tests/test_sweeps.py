@@ -258,7 +258,7 @@ def test_sweep_points_sharing_a_pinned_secret_and_seed_are_refused_before_any_wo
                    "disable_tqdm=true", cwd=tmp_path, env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"})
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
-    assert "sweep points 1 and 2 pin the same privacy.secure_seed and seed" in proc.stderr
+    assert "sweep points 1 and 2 pin the same privacy.secure_seed and draw the same noise" in proc.stderr
     assert "123456789" not in proc.stderr and sorted(p.name for p in tmp_path.iterdir()) == []
     monkeypatch.chdir(tmp_path)
     common = ["experiment=quick", "disable_tqdm=true", f"tracking.uri=sqlite:///{tmp_path / 'nb.db'}"]
@@ -268,10 +268,27 @@ def test_sweep_points_sharing_a_pinned_secret_and_seed_are_refused_before_any_wo
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     with pytest.raises(WorkbenchError, match="pin the same privacy.secure_seed"):  # other batches, the same noise
         config.check_shared_streams([compose([*common, "privacy.secure_seed=5", f"data_seed={s}"]) for s in (0, 1)])
-    for points in ([["seed=0"], ["seed=1"]], [["privacy.secure_seed=5"], ["privacy.secure_seed=6"]],
+    with pytest.raises(WorkbenchError, match="draw the same batches"):  # other noise, the same batches: sigma / sqrt 2
+        config.check_shared_streams([compose([*common, "privacy.secure_seed=5", "data_seed=7", f"seed={s}"])
+                                     for s in (1, 2)])
+    for points in ([["seed=0", "data_seed=0"], ["seed=1", "data_seed=1"]], [["privacy.secure_seed=5"], ["privacy.secure_seed=6"]],
                    [["learning_rate=0.3"], ["learning_rate=0.6", "privacy.enabled=false"]]):
         config.check_shared_streams([compose([*common, "privacy.secure_seed=5", *point]) for point in points])
     config.check_shared_streams([compose([*common, f"learning_rate={lr}"]) for lr in (0.3, 0.6)])  # fresh secrets
+
+
+def test_a_candidate_is_planned_with_the_values_the_user_typed():
+    """Random stopping plans every point, drawn or not, from the config Hydra would give it (driver._job_config):
+    data.train.size=2048 typed for a replaced _target_ (equal to no default of it) reaches the candidate's q."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from workbench.sweep import driver
+
+    typed = ["experiment=quick", "data.train._target_=workbench.data.SyntheticImages", "data.train.size=2048"]
+    with initialize_config_dir(config_dir=str(config.CONF_DIR), version_base="1.3"):
+        cfg = driver._job_config(hydra_compose(config_name="config", return_hydra_config=True), typed)
+    assert config.own_arguments(cfg, "data.train")["size"] == 2048
+    assert job.planned_mechanism(cfg)["sample_rate"] == pytest.approx(cfg.per_device_train_batch_size / 2048)
 
 
 def test_random_stopping_bounds_every_point_of_the_grid_drawn_or_not(tmp_path, monkeypatch):

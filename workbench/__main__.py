@@ -42,19 +42,21 @@ def _rank() -> str | None:
 PEER_REFUSAL_WAIT_S = 30.0
 
 
-def refuse(error: WorkbenchError) -> None:
-    """One line; exit 2 for bad input, 1 for a run that started and had to stop. Under torchrun or srun every rank
-    refuses alike (the config's checks, and the job's, are the same on every rank): rank 0 says it, the others stay
-    quiet. Under torchrun they wait for it to stop them, so that none leaves first and has rank 0 stopped before it has
-    said why."""
+def refuse(error: WorkbenchError, alike: bool | None = None) -> None:
+    """One line; exit 2 for bad input, 1 for a run that started and had to stop. Under torchrun or srun, a refusal
+    every rank makes alike (``alike``: the config's checks, which are the same everywhere, or one the job found rank 0
+    made too, ``error.alike``: workbench/interrupt.py's Peers.refused_alike) is said by rank 0 alone; under torchrun
+    the others wait for it to stop them, so that none leaves first and has rank 0 stopped before it has said why.
+    Anything else (a stop, a refusal of this rank's own data) every rank says, naming itself."""
     code = 1 if isinstance(error, TrainingStopped) else 2
     line = "error: " + " ".join(str(error).split())
     if _rank() not in (None, "", "0"):
-        if not os.environ.get("TORCHELASTIC_RUN_ID"):
-            sys.exit(code)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop ends this rank where it waits
-        time.sleep(PEER_REFUSAL_WAIT_S)
         line = f"error: rank {_rank()}: " + line.removeprefix("error: ")
+        if (getattr(error, "alike", False) if alike is None else alike) and not isinstance(error, TrainingStopped):
+            if not os.environ.get("TORCHELASTIC_RUN_ID"):
+                sys.exit(code)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop ends this rank where it waits
+            time.sleep(PEER_REFUSAL_WAIT_S)
     print(line, file=sys.stderr, flush=True)
     sys.exit(code)
 
@@ -175,15 +177,21 @@ def check_args(argv: Sequence[str]) -> list[DictConfig]:
             if o.is_sweep_override():
                 points += [first[:i] + [f"{o.get_key_element()}={v}"] + first[i + 1:]
                            for v in list(o.sweep_string_iterator())[1:]]
+    # Hydra's own launcher (hydra/launcher=submitit_slurm) may run the job elsewhere: its device is asked there
+    elsewhere = any(a.split("=", 1)[0].lstrip("+") == "hydra/launcher" and a.split("=", 1)[-1] not in LOCAL_LAUNCHERS
+                    for a in argv)
     configs = []
     for point in points:
         cfg = compose(point)
         config.validate(cfg)
         from workbench.job import refuse_unsupported  # torch: imported once the config is read
-        refuse_unsupported(cfg)
+        refuse_unsupported(cfg, runs_here=not elsewhere)
         configs.append(cfg)
     config.check_shared_streams(configs)
     return configs
+
+
+LOCAL_LAUNCHERS = ("basic", "submitit_local")  # Hydra launchers that run the job on this machine
 
 
 def _non_zero_rank_overrides() -> list[str]:
@@ -210,7 +218,7 @@ def cli() -> int:
     try:
         configs = check_args(sys.argv[1:])
     except WorkbenchError as e:
-        refuse(e)
+        refuse(e, alike=True)  # from the config alone: every rank refuses it alike
     _prestart_tracking(configs)
     sys.argv += _non_zero_rank_overrides()
     main()

@@ -350,20 +350,25 @@ def check_trial_streams(cfg: DictConfig) -> None:
 
 
 def check_shared_streams(points: List[DictConfig]) -> None:
-    """Points of one sweep that pin the same privacy.secure_seed and seed draw the same batches and noise: two such
-    releases' noise can cancel (their clipped sums at C1 and C2 minus each other's scaled noise), which no composition
-    bound covers. Refused; a sweep leaves the secret unset (a fresh one per point) or gives each point its own."""
+    """Points of one sweep that pin the same privacy.secure_seed and seed draw the same noise: two such releases'
+    noise can cancel (their clipped sums at C1 and C2 minus each other's scaled noise); points that draw the same
+    batches (the same secret and data_seed, or seed) with independent noise are one sampled Gaussian of multiplier
+    sigma / sqrt(2), not two. Neither is what the composition covers: refused; a sweep leaves the secret unset (a
+    fresh one per point) or gives each point its own."""
     seen: Dict[Any, int] = {}
     for i, cfg in enumerate(points):
         secret = OmegaConf.select(cfg, "privacy.secure_seed")
         if not OmegaConf.select(cfg, "privacy.enabled") or secret is None:
             continue
-        key = (secret, cfg.seed)  # the noise stream's (job.py); data_seed moves the batches only
-        if key in seen:
-            raise WorkbenchError(f"sweep points {seen[key] + 1} and {i + 1} pin the same privacy.secure_seed and seed: "
-                                 "they would draw the same batches and noise, which the sweep's composed epsilon does "
-                                 "not cover; leave privacy.secure_seed unset (a fresh secret per point)")
-        seen[key] = i
+        data_seed = OmegaConf.select(cfg, "data_seed")
+        for stream, key in (("noise", (secret, cfg.seed)), ("batches", (secret, data_seed if data_seed is not None
+                                                                          else cfg.seed))):  # job.py's two streams
+            if (stream, key) in seen:
+                raise WorkbenchError(f"sweep points {seen[stream, key] + 1} and {i + 1} pin the same "
+                                     f"privacy.secure_seed and draw the same {stream} (seed, data_seed): not the "
+                                     "independent releases the sweep's composed epsilon covers; leave "
+                                     "privacy.secure_seed unset (a fresh secret per point)")
+            seen[stream, key] = i
 
 
 def validate(cfg: DictConfig) -> None:
@@ -492,10 +497,12 @@ def own_arguments(cfg: DictConfig, path: str) -> Any:
     if not isinstance(option, DictConfig) or option.get("_target_") == node.get("_target_"):
         return node
     own = OmegaConf.create(OmegaConf.to_container(node, resolve=True))
-    typed = set(cfg.tracking.tags.get(SET_KEYS_TAG, "").split(","))
+    typed = [k for k in cfg.tracking.tags.get(SET_KEYS_TAG, "").split(",") if k]
     for key in list(own.keys()):
         hydra_key = str(key).startswith("_") and str(key).endswith("_")  # _target_, _partial_, ...: how to build it
-        if not hydra_key and key in option and own[key] == option[key] and f"{path}.{key}" not in typed:
+        mine = f"{path}.{key}"  # typed as it is, or a value inside it (model.config.vocab_size=64)
+        if not hydra_key and key in option and own[key] == option[key] and not any(
+                k == mine or k.startswith(mine + ".") for k in typed):
             del own[key]
     return own
 

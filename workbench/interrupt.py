@@ -12,6 +12,7 @@ the survivors reaches a survivor before the dead peer's collective error does.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import shlex
 import signal
@@ -20,6 +21,7 @@ import time
 from typing import Iterator
 
 GRACE = 3.0  # seconds a signalled rank waits for its peers' signal (a stop of the whole job reaches all within ms)
+REFUSAL_WAIT = 10.0  # seconds a rank > 0 that refused waits for rank 0's refusal (the same checks, moments apart)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -85,8 +87,9 @@ class Peers:
     A signal is counted the moment it arrives (a thread woken by the signal's wakeup fd, see signals_interrupt), even
     while the training thread is blocked in a collective and cannot run the Python handler yet."""
 
-    def __init__(self, store=None, world_size: int = 1):
+    def __init__(self, store=None, world_size: int = 1, rank: int = 0):
         self.store, self.world_size = (store, world_size) if world_size > 1 else (None, 1)
+        self.rank = rank
         self.signum: int | None = None
         self._counted: set[str] = set()
         self._lock = threading.Lock()
@@ -133,6 +136,21 @@ class Peers:
         except Exception:  # noqa: BLE001 - the store is gone, with the peer that held it
             return "FAILED"
 
+    def refused_alike(self, error: BaseException) -> bool:
+        """Whether rank 0 refused with the same line as this rank's `error` (rank 0 tells, the others ask): then only
+        rank 0 says it (workbench/__main__.py). A refusal only this rank hit (its shard's data, say) is not, and this
+        rank says it itself, so that nothing is lost."""
+        if self.store is None:
+            return False
+        try:
+            if self.rank == 0:
+                self.store.set("refused", str(error))
+                return True
+            self.store.wait(["refused"], datetime.timedelta(seconds=REFUSAL_WAIT))
+            return self.store.get("refused").decode() == str(error)
+        except Exception:  # noqa: BLE001 - rank 0 did not refuse (in time), or the store is gone
+            return False
+
     def as_interrupted(self, error: BaseException) -> BaseException:
         """For a run that ends KILLED: a rank whose own error is the collective a stopped peer left (its signal's
         handler had not run yet) reports the stop (the CLI's line that says how to resume)."""
@@ -146,18 +164,44 @@ class Peers:
 _peers = Peers()
 
 
-def join(store, world_size: int) -> Peers:
-    """Once the process group exists: this rank's stop is told to its `world_size - 1` peers through `store`.
-    Returns this job's :class:`Peers` (its outcome() and as_interrupted() say how the run ends)."""
+def join(store, world_size: int, rank: int = 0, run_key: str = "") -> Peers:
+    """Once the process group exists: this rank's stop is told to its `world_size - 1` peers through `store`, under
+    `run_key` (one per run, from rank 0: torchrun's store outlives a run, and a later run in the same job, a sweep's
+    next point, must not read this one's counts). Returns this job's :class:`Peers` (its outcome() and
+    as_interrupted() say how the run ends)."""
     global _peers
-    signum, _peers = _peers.signum, Peers(store, world_size)
+    if store is not None and run_key:
+        from torch.distributed import PrefixStore
+
+        store = PrefixStore(f"workbench.run.{run_key}.", store)
+    signum, _peers = _peers.signum, Peers(store, world_size, rank)
     if signum is not None:  # a signal that came while the group was being made
         _peers.signalled(signum)
     return _peers
 
 
-def _watch(read_fd: int) -> None:
+_wakeup_fd = -1  # signals_interrupt's pipe, while it is installed
+
+
+def _forget_wakeup_fd_in_child() -> None:
+    """A forked child (a DataLoader worker) inherits the wakeup fd: a signal only it got would count as this rank's."""
+    if _wakeup_fd >= 0:
+        try:
+            signal.set_wakeup_fd(-1)
+        except ValueError:  # forked from another thread than the main one: not the main thread in the child either
+            pass
+
+
+os.register_at_fork(after_in_child=_forget_wakeup_fd_in_child)
+
+
+def _watch(read_fd: int, previous_fd: int) -> None:
     while data := os.read(read_fd, 64):
+        if previous_fd >= 0:  # an event loop's own wakeup fd (asyncio's signal handlers) still hears every signal
+            try:
+                os.write(previous_fd, data.replace(b"\0", b""))
+            except OSError:
+                pass
         for signum in data:
             if signum == 0:  # signals_interrupt is done
                 return
@@ -169,7 +213,7 @@ def _watch(read_fd: int) -> None:
 def signals_interrupt() -> Iterator[None]:
     """While the block runs (in the main thread, outside submitit), SIGTERM and SIGINT raise :class:`Interrupted`, and
     each is counted for the job's other ranks as it arrives (see :class:`Peers`)."""
-    global _peers
+    global _peers, _wakeup_fd
     _peers = Peers()
     if threading.current_thread() is not threading.main_thread() or os.environ.get("SUBMITIT_EXECUTOR"):
         yield
@@ -177,7 +221,8 @@ def signals_interrupt() -> Iterator[None]:
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-    watcher = threading.Thread(target=_watch, args=(read_fd,), name="workbench-signals", daemon=True)
+    _wakeup_fd = write_fd
+    watcher = threading.Thread(target=_watch, args=(read_fd, previous_fd), name="workbench-signals", daemon=True)
     watcher.start()
     previous = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -186,6 +231,7 @@ def signals_interrupt() -> Iterator[None]:
         for s, handler in previous.items():
             signal.signal(s, handler)
         signal.set_wakeup_fd(previous_fd)
+        _wakeup_fd = -1
         os.write(write_fd, b"\0")  # the watcher stops
         watcher.join()
         os.close(write_fd)

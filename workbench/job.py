@@ -171,16 +171,17 @@ def _autocast_dtype(cfg: DictConfig, device_type: str) -> torch.dtype | None:
     return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else None
 
 
-def refuse_unsupported(cfg: DictConfig) -> None:
+def refuse_unsupported(cfg: DictConfig, runs_here: bool = True) -> None:
     """Refuse, in one line, what the config alone decides no run supports: a mechanism's unsupported settings or
     accountant (privacy/mechanism.py's check_settings), an optimizer that corrects for independent noise where there is
     none, a backend or precision this machine lacks (when the job runs on it), ew in mixed precision. The one place for
     these refusals: asked by the CLI before Hydra's app makes a folder, by launch and by train, before any data is
     read; from the config alone, so alike on every rank. What needs the data (b B / N, a batch larger than the data)
-    is refused by build as soon as the shard is known."""
+    is refused by build as soon as the shard is known. ``runs_here``: False where the job will run on another machine
+    (a SLURM node, Hydra's submitit_slurm launcher), whose backend and device this one cannot ask."""
     p = cfg.privacy
     mechanism.check_settings(cfg, planned_world_size(cfg))
-    if cfg.launcher.name != "slurm":  # the job runs on this machine: its backend and device are known here
+    if runs_here and cfg.launcher.name != "slurm":  # the job runs on this machine: its backend and device are known
         _autocast_dtype(cfg, distributed.device_type(distributed.resolve_backend(cfg.ddp_backend)))
     if p.enabled and p.grad_sample_mode == "ew" and (cfg.bf16 or cfg.fp16):  # auto's own pick: the step refuses it
         raise WorkbenchError(EW_MIXED_PRECISION)

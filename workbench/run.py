@@ -7,6 +7,7 @@ import gc
 import hashlib
 import json
 import logging
+import secrets
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -103,7 +104,8 @@ def train(cfg: DictConfig, compute_metrics: Callable | None = None, callbacks: l
 def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | None,
            on_end: Callable[[DictConfig], None] | None) -> TrainResult:
     d = distributed.setup(cfg.ddp_backend, cfg.ddp_timeout, cfg.log_on_each_node, cfg.save_on_each_node)
-    peers = join(distributed.store() if d.distributed else None, d.world_size)  # how the others learn why we stop
+    peers = join(distributed.store() if d.distributed else None, d.world_size, d.rank,  # how the others learn why
+                 d.broadcast_object(secrets.token_hex(8)) if d.distributed else "")  # we stop, this run's alone
     tracker = None
     run_id = None
     try:
@@ -148,6 +150,8 @@ def _train(cfg: DictConfig, compute_metrics: Callable | None, callbacks: list | 
         if tracker is not None:
             tracker.settle()
         status = peers.outcome(error)  # the first cause: a peer that died first makes it FAILED (workbench/interrupt.py)
+        if isinstance(error, WorkbenchError) and not isinstance(error, TrainingStopped):
+            error.alike = peers.refused_alike(error)  # rank 0 refused the same: only it says so (__main__.refuse)
         e = peers.as_interrupted(error) if status == "KILLED" else error
         if isinstance(e, Interrupted):
             e.output_dir = cfg.output_dir

@@ -281,7 +281,7 @@ def _job_config(config: DictConfig, overrides: Sequence[str]) -> DictConfig:
     from workbench import config as config_
 
     cfg = GlobalHydra.instance().config_loader().load_sweep_config(config, list(overrides))
-    config_.record_choices(cfg, cfg.hydra.runtime.choices)
+    config_.record_choices(cfg, cfg.hydra.runtime.choices, list(cfg.hydra.overrides.task))  # the keys typed, too
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg
