@@ -54,11 +54,9 @@ MUTANTS = (
            "workbench/step.py", NOISE_CALL, NOISE_CALL.replace(" is not None:", " is not None and batch is not None:"),
            ("tests/test_noise.py::test_noise_std_is_sigma_times_clip_and_reproducible",)),
     Mutant("sampler-takes-first-k", "the batch is the first k examples (k ~ Binomial(n, q), so sizes look right)",
-           "workbench/privacy/sampling.py", "mask = torch.rand(len(self.shard.indices), generator=g) < self.shard.sample_rate",
-           "mask = torch.arange(len(self.shard.indices)) < "
-           "(torch.rand(len(self.shard.indices), generator=g) < self.shard.sample_rate).sum()",
-           ("tests/test_sampling.py::test_each_example_is_included_binomial_t_q_times",
-            "tests/test_sampling.py::test_pairs_of_examples_are_included_together_q_squared_of_the_time")),
+           "workbench/privacy/sampling.py", "return np.sort(_first_distinct(n, k, rng))", "return np.arange(k)",
+           ("tests/test_sampling.py::test_each_example_is_included_binomial_t_q_times[per_rank]",
+            "tests/test_sampling.py::test_pairs_of_examples_are_included_together_q_squared_of_the_time[per_rank]")),
     Mutant("accountant-q-of-other-shard-mode", "the accountant gets the other shard mode's q (per_rank: B / (W N))",
            "workbench/privacy/mechanism.py",
            "else Accountant(p.accountant, shard.sample_rate, sigma, world_size, shard_mode)",
@@ -489,6 +487,22 @@ MUTANTS = (
            "refusal (one store for the job)", "workbench/interrupt.py",
            'store = PrefixStore(f"workbench.run.{run_key}.", store)', 'store = PrefixStore("workbench.run.", store)',
            ("tests/test_refusals_up_front.py::test_rank_0_tells_its_refusal_and_a_peer_stays_quiet_only_on_the_same_line",)),
+    Mutant("sampler-count-binomial-n-minus-1", "the Poisson batch's count is Binomial(n - 1, q): every example is drawn "
+           "at rate q (n - 1) / n, not the q accounted (issue 44)", "workbench/privacy/sampling.py",
+           "k = int(rng.binomial(n, q))", "k = int(rng.binomial(n - 1, q))",
+           ("tests/test_sampling.py::test_the_batch_size_is_binomial_n_q[small]",)),
+    Mutant("sampler-never-picks-the-last-index", "the Poisson batch's first draw of distinct indices leaves out the "
+           "shard's last position: that example's rate is not q (issue 44)", "workbench/privacy/sampling.py",
+           "drawn = rng.integers(0, n, size=k)", "drawn = rng.integers(0, n - 1, size=k)",
+           ("tests/test_sampling.py::test_each_example_is_included_binomial_t_q_times[small]",)),
+    Mutant("sampler-draws-with-replacement", "the Poisson batch takes the distinct values of K draws with replacement: "
+           "fewer than K examples, inclusions no longer independent (issue 44)", "workbench/privacy/sampling.py",
+           "        if len(values) >= k:\n", "        if True:\n",
+           ("tests/test_sampling.py::test_the_batch_size_is_binomial_n_q[small]", "tests/test_sampling.py::test_the_batch_size_is_binomial_n_q[per_rank]")),
+    Mutant("resume-under-another-sampler", "a checkpoint written by another batch sampler (the float32 uniform per "
+           "example before issue 44) resumes, drawing other batches than the run it continues", "workbench/job.py",
+           'if state.get("sampler") != sampling.SAMPLER:', "if False:",
+           ("tests/test_resume.py::test_resume_refusals",)),
 )
 
 

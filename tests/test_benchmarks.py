@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -106,14 +107,19 @@ def test_quick_benchmarks_write_every_figure(tmp_path):
         assert f"**{preset}**" in table, preset
 
 
+def _quick_figure(module: str, out: Path) -> dict:
+    """``python -m benchmarks.<module> --quick --out <out>``, one thread; its <module>.json."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(out)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / f"{module}.json").read_text())
+
+
 @pytest.mark.slow
 @pytest.mark.bench  # issue 24's real-size presets, quick mode (short sequences, batch 4): make bench-quick, not make test
 def test_quick_real_size_benchmark_writes_its_rows(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.real_size", "--quick", "--out", str(tmp_path)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads((tmp_path / "real_size.json").read_text())
+    out = _quick_figure("real_size", tmp_path)
     assert out["mode"] == "quick" and list(out["presets"]) == ["bench_minilm", "bench_gpt2_lora", "bench_resnet18"]
     for name, e in out["presets"].items():
         rows = e["rows"]
@@ -124,6 +130,24 @@ def test_quick_real_size_benchmark_writes_its_rows(tmp_path):
             assert r["throughput_vs_non_private"] == pytest.approx(
                 r["samples_per_s"] / rows["non_private"]["samples_per_s"]), name
     assert "| bench_resnet18 |" in (tmp_path / "REAL_SIZE.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.bench  # issue 44's sampler at N = 1e5 ... 1e9 and the W = 1,024 accounting, quick mode: make bench-quick
+def test_quick_large_data_benchmark_writes_every_kind_and_size(tmp_path):
+    out = _quick_figure("large_data", tmp_path)
+    from benchmarks.large_data import KINDS, SIZES
+
+    assert out["mode"] == "quick" and out["world_size"] == 1024
+    new = {(r["kind"], r["n"]): r for r in out["rows"] if r["sampler"] == "new"}
+    assert set(new) == {(k, n) for k in KINDS for n in SIZES}
+    for r in out["rows"]:  # each simulated rank drew its expected 1,000 examples a step (not a timing assert)
+        assert r["ms_per_rank_step"] > 0 and abs(r["mean_batch"] - 1000) < 100, r
+    assert {(r["kind"], r["n"]) for r in out["rows"] if r["sampler"] == "old"} == {
+        (k, n) for k in ("per_rank", "global") for n in (10**5, 10**6)}
+    assert out["accounting"]["world_size"] == 1024 and out["accounting"]["epsilon"] <= 8.0 + 1e-6
+    assert isinstance(out["target"]["met"], bool)
+    assert "| cyclic | 1e+09 |" in (tmp_path / "LARGE_DATA.md").read_text()
 
 
 @pytest.mark.parametrize("name", ["text_classifier", "transformer", "lm_lora"])

@@ -9,6 +9,7 @@ from mlflow import MlflowClient
 from tests.conftest import assert_same_history, run_cli
 from workbench import checkpoint
 from workbench.errors import WorkbenchError
+from workbench.privacy import sampling
 
 # A fixed secure_seed makes two separate runs comparable bit for bit (by default each run draws a fresh secret).
 ARGS = ["experiment=quick", "data.train._target_=tests.plugins.DyingSynthetic", "max_steps=20", "save_steps=5",
@@ -140,6 +141,20 @@ def test_resume_refusals(tmp_path, mlflow_uri):
                   env={"MLFLOW_TRACKING_URI": mlflow_uri})
     assert bad.returncode == 2 and f"checkpoint '{corrupt}' is truncated or corrupt (1000 bytes" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+    # A checkpoint of another batch sampler (before issue 44: no "sampler" field; or a later one) would draw other
+    # batches from the same secret than the run it continues: refused in one line, before any work
+    for name, written_by in ((None, "of a float32 uniform per example (before issue 44)"), ("v9", "v9")):
+        folder = tmp_path / f"sampler-{name}"
+        (folder / "checkpoints").mkdir(parents=True)
+        state = checkpoint.load(ckpts[-1])
+        assert state.pop("sampler") == sampling.SAMPLER
+        torch.save({**state, **({"sampler": name} if name else {})}, folder / "checkpoints" / ckpts[-1].name)
+        refused = run_cli(*ARGS, f"output_dir={folder}", "resume_from_checkpoint=latest", cwd=tmp_path,
+                          env={"MLFLOW_TRACKING_URI": mlflow_uri})
+        lines = refused.stderr.strip().splitlines()
+        assert refused.returncode == 2 and len(lines) == 1, refused.stderr[-2000:]
+        assert f"written by the batch sampler {written_by}, not this version's {sampling.SAMPLER}" in lines[0]
 
     # The checkpoint's run is not in the store it is pointed at: refused, and that store is not created (README)
     elsewhere = tmp_path / "elsewhere.db"

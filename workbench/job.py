@@ -293,6 +293,10 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
             if state.get("secret") is None:
                 raise WorkbenchError(f"checkpoint {str(path)!r} has no stream secret (a published copy?); "
                                      "resume from the run folder's own checkpoint")
+            if state.get("sampler") != sampling.SAMPLER:  # same config, other batches: not the run it continues
+                raise WorkbenchError(f"checkpoint {str(path)!r} was written by the batch sampler "
+                                     f"{state.get('sampler') or 'of a float32 uniform per example (before issue 44)'}, "
+                                     f"not this version's {sampling.SAMPLER}; refusing to resume (start a new run)")
             if state.get("privacy_digest") != digest:
                 raise WorkbenchError(f"checkpoint {str(path)!r} was written under a different privacy config "
                                      "(batch, steps, seed, shard, world size, noise, clipping or data differ); refusing to resume")

@@ -25,6 +25,7 @@ from workbench.evaluation import Evaluator
 from workbench.interrupt import Interrupted, ignore_further, join, signals_interrupt
 from workbench.job import Job, build, build_model, refuse_unsupported
 from workbench.models import hf
+from workbench.privacy import sampling
 from workbench.privacy.accounting.tradeoff import membership_bounds
 from workbench.tracking.runs import NOTE_TAG, git_sha, source_tags
 from workbench.tracking.tracker import end_if_abandoned, make_tracker
@@ -230,6 +231,7 @@ def _fit(cfg: DictConfig, d: distributed.Dist, job: Job, tracker, run_id: str | 
         return {"model": hf.model_state(model), "optimizer": canaries.without_canaries(optimizer) if canaries else optimizer,
                 "scheduler": job.scheduler.state_dict(), "step": step, "run_id": run_id,
                 "privacy_digest": job.digest, "world_size": d.world_size, "secret": job.secret,
+                "sampler": sampling.SAMPLER,
                 "accountant": accountant.state_dict() if accountant is not None else None,
                 "clipping": plan.clipping.state_dict() if plan.private else None,
                 "physical_batch_size": [job.step_fn.max_physical_batch_size, job.step_fn.bound_batch],

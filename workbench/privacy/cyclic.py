@@ -30,7 +30,7 @@ from typing import Iterator
 import torch
 
 from workbench.errors import WorkbenchError
-from workbench.privacy.sampling import PARTITION_STREAM, Shard, step_generator
+from workbench.privacy.sampling import PARTITION_STREAM, Shard, poisson_subset, step_generator, step_rng
 
 
 def banded_shard(shard: Shard, num_bands: int, world_size: int) -> Shard:
@@ -74,10 +74,8 @@ class CyclicPoissonBatchSampler:
                      self.num_bands)
 
     def indices_for_step(self, step: int) -> list[int]:
-        g = step_generator(self.seed, self.rank, step)
-        mask = torch.rand(self.part_size, generator=g) < self.shard.sample_rate
-        part = self.part(step)
-        return (mask.nonzero().squeeze(1) * self.num_bands + part.start).tolist()
+        drawn = poisson_subset(self.part_size, self.shard.sample_rate, step_rng(self.seed, self.rank, step))
+        return (drawn * self.num_bands + self.part(step).start).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.start_step, self.steps):

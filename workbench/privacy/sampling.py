@@ -4,6 +4,9 @@ sampler that draws every logical step's batch (the privacy contract of docs/DESI
 :class:`PoissonBatchSampler` draws each logical step's batch as an independent Bernoulli(q) choice per example, from
 a stream seeded by (seed, rank, step). Being stateless per step, a resumed run draws exactly the batches the
 uninterrupted run would have drawn. The noise draws from the same family of streams (``stream=NOISE_STREAM``).
+
+The draw (:func:`poisson_subset`) costs O(expected batch) per step, not O(shard): a Binomial(n, q) count K, then K
+distinct positions uniformly at random (README, "Large datasets"). :data:`SAMPLER` names it in every checkpoint.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import operator
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from workbench.errors import WorkbenchError
@@ -19,6 +23,10 @@ from workbench.errors import WorkbenchError
 SHARDS = ("per_rank", "global")
 # `stream` of step_generator: the batch draws, the gradient noise, the clipped count's noise (adaptive clipping)
 SAMPLING_STREAM, NOISE_STREAM, COUNT_NOISE_STREAM, PARTITION_STREAM = 0, 1, 2, 3  # 3: blt's fixed batches
+# Which draw the Poisson samplers make from a step's stream; checkpoints record it, and a resume under another one is
+# refused (job.py): it would draw other batches than the run it continues. Before it (no field): a float32 uniform per
+# example, u < q, whose rate was ceil(q 2^24) / 2^24, not q.
+SAMPLER = "binomial-distinct-v1"
 
 
 @dataclass(frozen=True)
@@ -109,9 +117,47 @@ def stream_seed(secret: int, seed: int) -> int:
     return seed_sequence_64([secret, seed])
 
 
+def step_seed(seed: int, rank: int, step: int, stream: int = SAMPLING_STREAM) -> int:
+    """The 64-bit seed of one (seed, rank, step) stream; `stream` separates uses (sampling, noise)."""
+    return seed_sequence_64([seed, rank, step, stream])
+
+
 def step_generator(seed: int, rank: int, step: int, stream: int = SAMPLING_STREAM, device: torch.device | str = "cpu") -> torch.Generator:
     """An independent, reproducible RNG stream for one (seed, rank, step); `stream` separates uses (sampling, noise)."""
-    return torch.Generator(device=device).manual_seed(seed_sequence_64([seed, rank, step, stream]))
+    return torch.Generator(device=device).manual_seed(step_seed(seed, rank, step, stream))
+
+
+def step_rng(seed: int, rank: int, step: int, stream: int = SAMPLING_STREAM) -> np.random.Generator:
+    """The same stream's seed as a numpy Generator (PCG64): the Poisson draws' (:func:`poisson_subset`)."""
+    return np.random.default_rng(step_seed(seed, rank, step, stream))
+
+
+def _first_distinct(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """The first k distinct values of a stream of iid uniform integers on [0, n) (k <= n / 2: under 2k draws
+    expected). The rule sees only which draws are equal, so relabelling [0, n) maps its output's law onto itself:
+    the output is a uniformly random k-subset."""
+    drawn = rng.integers(0, n, size=k)  # numpy's bounded integers are exactly uniform (Lemire's rejection, 64 bits)
+    while True:
+        values, first = np.unique(drawn, return_index=True)
+        if len(values) >= k:
+            return values if len(values) == k else values[np.argsort(first)[:k]]
+        drawn = np.concatenate([drawn, rng.integers(0, n, size=k - len(values))])
+
+
+def poisson_subset(n: int, q: float, rng: np.random.Generator) -> np.ndarray:
+    """The positions in [0, n) kept by n independent Bernoulli(q) trials, ascending, in O(nq) time and memory.
+
+    The kept set's size is K ~ Binomial(n, q) and, given K, the set is uniform over K-subsets (every K-subset has
+    probability q^K (1-q)^(n-K)): so K from numpy's binomial (BTPE, or inversion below n min(q, 1-q) = 30; exact in
+    64-bit n and float64 q up to rounding, its inversion's restart past 10 standard deviations drops < 1e-17), then a
+    uniform K-subset, or the complement of a uniform (n-K)-subset when K > n / 2. torch's randint is not used: below
+    2^32 it reduces 32 random bits mod n (a bias of up to n / 2^32), nor float uniforms (2^-24 or 2^-53 grids)."""
+    k = int(rng.binomial(n, q))
+    if 2 * k > n:
+        kept = np.ones(n, dtype=bool)
+        kept[_first_distinct(n, n - k, rng)] = False
+        return np.flatnonzero(kept)
+    return np.sort(_first_distinct(n, k, rng))
 
 
 class PoissonBatchSampler:
@@ -123,12 +169,10 @@ class PoissonBatchSampler:
 
     def __init__(self, shard: Shard, steps: int, seed: int, rank: int, start_step: int = 0):
         self.shard, self.steps, self.seed, self.rank, self.start_step = shard, steps, seed, rank, start_step
-        self._offset = torch.tensor(shard.indices.start)
 
     def indices_for_step(self, step: int) -> list[int]:
-        g = step_generator(self.seed, self.rank, step)
-        mask = torch.rand(len(self.shard.indices), generator=g) < self.shard.sample_rate
-        return (mask.nonzero().squeeze(1) + self._offset).tolist()
+        drawn = poisson_subset(len(self.shard.indices), self.shard.sample_rate, step_rng(self.seed, self.rank, step))
+        return (drawn + self.shard.indices.start).tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.start_step, self.steps):
