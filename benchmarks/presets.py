@@ -65,12 +65,12 @@ class Preset:
 
     def model(self) -> nn.Module:
         """The model as ``workbench.job.build`` makes it: ``model`` node, then ``peft``, then ``prepare_model``."""
-        from workbench import config
+        from workbench import overrides
         from workbench.models import prepare_model
 
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        model = instantiate(config.own_arguments(cfg, "model"))
+        model = instantiate(overrides.own_arguments(cfg, "model"))
         if cfg.get("peft") is not None:
             model = instantiate(cfg.peft, _partial_=True)(model)
         model, _ = prepare_model(model, cfg.privacy.enabled, cfg.privacy.fix_model)
@@ -81,14 +81,14 @@ class Preset:
 
     @cached_property
     def dataset(self):
-        from workbench import config
-        return instantiate(config.own_arguments(self.cfg, "data.train"))
+        from workbench import overrides
+        return instantiate(overrides.own_arguments(self.cfg, "data.train"))
 
     @cached_property
     def collator(self):
-        from workbench import config
+        from workbench import overrides
         node = self.cfg.data.get("collator")
-        return None if node is None else instantiate(config.own_arguments(self.cfg, "data.collator"))
+        return None if node is None else instantiate(overrides.own_arguments(self.cfg, "data.collator"))
 
     def poisson_batches(self, count: int, seed: int = 0, rank: int = 0, world_size: int = 1) -> list:
         """``count`` collated batches of this rank's ``per_rank`` shard, as the training loader yields them."""

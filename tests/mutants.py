@@ -379,7 +379,7 @@ MUTANTS = (
            ("tests/test_refusals_up_front.py::test_a_combination_the_config_decides_is_refused_by_the_up_front_check"
             "[optimizer=dp_adamw-privacy.mechanism=bandmf]",)),
     Mutant("typed-default-dropped", "a value the user typed for a replaced _target_ is dropped because it equals the "
-           "replaced option's default", "workbench/config.py", ' and not any(\n                k == mine or k.startswith(mine + ".") for k in typed):', ":",
+           "replaced option's default", "workbench/overrides.py", ' and not any(\n                k == mine or k.startswith(mine + ".") for k in typed):', ":",
            ("tests/test_refusals_up_front.py::test_a_typed_value_equal_to_the_replaced_options_default_is_passed"
             "[model=mlp-model.in_features]",)),
     Mutant("every-rank-prints-its-refusal", "under torchrun every rank prints the refusal (one line per rank)",
@@ -476,7 +476,7 @@ MUTANTS = (
            '("batches", (secret, i, data_seed if data_seed is not None',
            ("tests/test_sweeps.py::test_sweep_points_sharing_a_pinned_secret_and_seed_are_refused_before_any_work",)),
     Mutant("typed-inside-a-dict-dropped", "a value typed inside a dict argument of a replaced _target_ "
-           "(model.config.vocab_size=64) drops the whole argument", "workbench/config.py",
+           "(model.config.vocab_size=64) drops the whole argument", "workbench/overrides.py",
            'k == mine or k.startswith(mine + ".")', "k == mine",
            ("tests/test_refusals_up_front.py::test_a_value_typed_inside_a_dict_argument_keeps_the_whole_argument",)),
     Mutant("sweep-candidates-forget-the-typed-keys", "random stopping's candidates are planned without the keys the "

@@ -186,12 +186,12 @@ NODES = [
 def test_a_typed_value_equal_to_the_replaced_options_default_is_passed(choice, path, key, value, untouched):
     from omegaconf import OmegaConf
 
-    from workbench import compose, config
+    from workbench import compose, config, overrides
 
     option = OmegaConf.select(compose([choice]), path)
     assert str(option[key]) == value or option[key] == float(value), "the typed value must be the option's default"
     typed = [choice, f"{path}._target_=collections.OrderedDict", f"{path}.{key}={value}", f"+{path}.extra=1"]
-    own = config.own_arguments(compose(typed), path)
+    own = overrides.own_arguments(compose(typed), path)
     assert own["_target_"] == "collections.OrderedDict"
     assert key in own and own[key] == option[key], own  # typed, though equal to the option's value: kept
     assert own["extra"] == 1  # added: kept
@@ -199,21 +199,21 @@ def test_a_typed_value_equal_to_the_replaced_options_default_is_passed(choice, p
         assert untouched not in own, own
     assert own.get("_partial_") == option.get("_partial_")  # how to build it is Hydra's, never an argument
     # The same node without the typed value: the option's default is dropped, as before.
-    assert key not in config.own_arguments(compose([choice, f"{path}._target_=collections.OrderedDict"]), path)
+    assert key not in overrides.own_arguments(compose([choice, f"{path}._target_=collections.OrderedDict"]), path)
 
 
 def test_a_value_typed_inside_a_dict_argument_keeps_the_whole_argument():
     """model.config.vocab_size=64 (equal to tiny_bert's) types inside `config`: the replaced class gets config whole,
     as typed; num_labels, not typed, is dropped."""
-    from workbench import compose, config
+    from workbench import compose, config, overrides
 
     for typed in (["model.config.vocab_size=64"], ["model.config={model_type: bert, vocab_size: 64}"]):
-        own = config.own_arguments(compose(["model=tiny_bert", "model._target_=builtins.dict", *typed]), "model")
+        own = overrides.own_arguments(compose(["model=tiny_bert", "model._target_=builtins.dict", *typed]), "model")
         assert own["config"]["vocab_size"] == 64 and "num_labels" not in own, own
 
 
 def test_set_keys_reads_each_override_as_hydra_parses_it():
-    from workbench.config import set_keys
+    from workbench.overrides import set_keys
 
     assert set_keys(["model._target_=torch.nn.Linear", "+model.out_features=10", "++model.in_features=64",
                      "~model.hidden", "model=mlp", "data.train={size: 3, opts: {a: 1}}", "seed=3",
@@ -235,10 +235,10 @@ def test_a_launched_job_keeps_the_typed_keys_without_hydra():
     """The submitted config carries the typed keys (a SLURM job has no HydraConfig): they survive the YAML."""
     from omegaconf import OmegaConf
 
-    from workbench import compose, config
+    from workbench import compose, config, overrides
 
     cfg = compose(["model._target_=torch.nn.Linear", "model.in_features=64", "+model.out_features=10"])
     again = OmegaConf.create(OmegaConf.to_yaml(cfg))
-    assert dict(config.own_arguments(again, "model")) == {"_target_": "torch.nn.Linear", "in_features": 64,
+    assert dict(overrides.own_arguments(again, "model")) == {"_target_": "torch.nn.Linear", "in_features": 64,
                                                            "out_features": 10}
 

@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
 from tests.conftest import run_cli
-from workbench import compose, config, explore, job, run, sweep
+from workbench import compose, config, explore, job, overrides, run, sweep
 from workbench.errors import WorkbenchError
 from workbench.privacy.accounting import tuning
 from workbench.privacy import Accountant
@@ -285,9 +285,10 @@ def test_a_candidate_is_planned_with_the_values_the_user_typed():
     from workbench.sweep import driver
 
     typed = ["experiment=quick", "data.train._target_=workbench.data.SyntheticImages", "data.train.size=2048"]
+    config.register()  # the schema Hydra's compose reads (workbench.compose registers it too)
     with initialize_config_dir(config_dir=str(config.CONF_DIR), version_base="1.3"):
         cfg = driver._job_config(hydra_compose(config_name="config", return_hydra_config=True), typed)
-    assert config.own_arguments(cfg, "data.train")["size"] == 2048
+    assert overrides.own_arguments(cfg, "data.train")["size"] == 2048
     assert job.planned_mechanism(cfg)["sample_rate"] == pytest.approx(cfg.per_device_train_batch_size / 2048)
 
 

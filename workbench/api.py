@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from workbench import config
+from workbench.overrides import record_choices
 from workbench.errors import WorkbenchError
 
 
@@ -36,7 +37,7 @@ def compose(overrides: Sequence[str] = (), config_name: str = "config") -> DictC
         except (HydraException, OmegaConfBaseException, ValueError) as e:
             raise WorkbenchError(_one_line(e, overrides)) from None
     overrides = OmegaConf.to_container(cfg.hydra.overrides.task)  # as typed: ${...} left unresolved
-    config.record_choices(cfg, cfg.hydra.runtime.choices, overrides)  # as the CLI does: tags, each group's option
+    record_choices(cfg, cfg.hydra.runtime.choices, overrides)  # as the CLI does: tags, each group's option
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg

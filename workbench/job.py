@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from workbench import callbacks as callbacks_
-from workbench import checkpoint, config, distributed
+from workbench import checkpoint, config, distributed, overrides
 from workbench.data import loaders
 from workbench.data import users as data_users
 from workbench.data.checks import check_fit
@@ -88,7 +88,7 @@ def _compute_metrics(name: str | None) -> Callable | None:
 def training_sets(cfg: DictConfig) -> tuple[Any, Any, Any]:
     """The user's training set, the one trained on (with the audit's canary slots, which join the population: N and q
     count them whatever their membership) and the audit (or None)."""
-    train_set = _instantiate(config.own_arguments(cfg, "data.train"), "data.train")
+    train_set = _instantiate(overrides.own_arguments(cfg, "data.train"), "data.train")
     if not cfg.audit.enabled:
         return train_set, train_set, None
     from workbench.privacy.auditing.canaries import CanaryAudit
@@ -149,7 +149,7 @@ def build_model(cfg: DictConfig) -> tuple[nn.Module, list[str]]:
     """The model as the job trains it: the ``model`` node, then its adapters (``peft``), then ``privacy.fix_model``'s
     fixes; and the notes of what was fixed. Untouched by training: no clipping hooks, no per-example state (run.py
     publishes the trained weights in such a copy)."""
-    model = _instantiate(config.own_arguments(cfg, "model"), "model")
+    model = _instantiate(overrides.own_arguments(cfg, "model"), "model")
     if not isinstance(model, nn.Module):
         raise WorkbenchError(f"model._target_ built a {type(model).__name__}, not a torch.nn.Module")
     if cfg.get("peft"):  # adapters (LoRA): only they train, so only they are clipped and noised (none: {} too)
@@ -185,7 +185,7 @@ def refuse_unsupported(cfg: DictConfig, runs_here: bool = True) -> None:
         _autocast_dtype(cfg, distributed.device_type(distributed.resolve_backend(cfg.ddp_backend)))
     if p.enabled and p.grad_sample_mode == "ew" and (cfg.bf16 or cfg.fp16):  # auto's own pick: the step refuses it
         raise WorkbenchError(EW_MIXED_PRECISION)
-    node = config.own_arguments(cfg, "optimizer")
+    node = overrides.own_arguments(cfg, "optimizer")
     target = node.get("_target_") if isinstance(node, DictConfig) else None
     try:
         make_optimizer = _locate(target) if isinstance(target, str) else None
@@ -213,8 +213,8 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
     train_set = canaries.dataset if canaries else user_train_set
     user_callbacks = [*(_instantiate(c, "callbacks") for c in cfg.callbacks), *extra_callbacks]
     callbacks_.check(user_callbacks)
-    eval_set = _instantiate(config.own_arguments(cfg, "data.eval"), "data.eval") if cfg.data.get("eval") is not None else None
-    collator = _instantiate(config.own_arguments(cfg, "data.collator"), "data.collator") \
+    eval_set = _instantiate(overrides.own_arguments(cfg, "data.eval"), "data.eval") if cfg.data.get("eval") is not None else None
+    collator = _instantiate(overrides.own_arguments(cfg, "data.collator"), "data.collator") \
         if cfg.data.get("collator") is not None else None
     n = loaders.check_dataset(train_set, "training")
     if eval_set is not None:
@@ -242,7 +242,7 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
         for t in model.state_dict().values():
             torch.distributed.broadcast(t, 0)
     criterion = _instantiate(cfg.criterion, "criterion", reduction="none")
-    make_optimizer = _instantiate(config.own_arguments(cfg, "optimizer"), "optimizer")
+    make_optimizer = _instantiate(overrides.own_arguments(cfg, "optimizer"), "optimizer")
     wants_noise = _takes_noise_std(make_optimizer)  # with privacy and dpsgd only (refuse_unsupported)
     metrics_fn = compute_metrics or _compute_metrics(cfg.compute_metrics)
     for split, dataset in (("train", user_train_set), ("eval", eval_set)):  # the user's data, before any canaries

@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from workbench import checkpoint, config
+from workbench.overrides import record_choices
 from workbench.errors import WorkbenchError
 from workbench.tracking.redaction import scrub
 from workbench.world_size import local_gpus, planned_world_size, slurm_tasks_per_node
@@ -37,7 +38,7 @@ def hydra_context(cfg: DictConfig) -> None:
     except ValueError:
         return
     overrides = [o for o in hc.overrides.task if not o.startswith(("hydra.", "hydra/"))]
-    config.record_choices(cfg, hc.runtime.choices, overrides)  # "hydra/data" = the data group's choice
+    record_choices(cfg, hc.runtime.choices, overrides)  # "hydra/data" = the data group's choice
     if overrides:
         with open_dict(cfg):
             cfg.tracking.tags.setdefault("overrides", scrub(" ".join(overrides)))

@@ -278,10 +278,10 @@ def _job_config(config: DictConfig, overrides: Sequence[str]) -> DictConfig:
     it is), as workbench.compose returns it."""
     from hydra.core.global_hydra import GlobalHydra
 
-    from workbench import config as config_
+    from workbench import overrides as overrides_
 
     cfg = GlobalHydra.instance().config_loader().load_sweep_config(config, list(overrides))
-    config_.record_choices(cfg, cfg.hydra.runtime.choices, list(cfg.hydra.overrides.task))  # the keys typed, too
+    overrides_.record_choices(cfg, cfg.hydra.runtime.choices, list(cfg.hydra.overrides.task))  # the keys typed, too
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg
