@@ -58,9 +58,9 @@ MUTANTS = (
            ("tests/test_sampling.py::test_each_example_is_included_binomial_t_q_times[per_rank]",
             "tests/test_sampling.py::test_pairs_of_examples_are_included_together_q_squared_of_the_time[per_rank]")),
     Mutant("accountant-q-of-other-shard-mode", "the accountant gets the other shard mode's q (per_rank: B / (W N))",
-           "workbench/privacy/mechanism.py",
-           "else Accountant(p.accountant, shard.sample_rate, sigma, world_size, shard_mode)",
-           "else Accountant(p.accountant, __import__('workbench.privacy.sampling', fromlist=['_']).train_shard("
+           "workbench/privacy/mechanisms/dpsgd.py",
+           "return Accountant(p.accountant, shard.sample_rate, sigma, world_size, shard_mode)",
+           "return Accountant(p.accountant, __import__('workbench.privacy.sampling', fromlist=['_']).train_shard("
            "shard.population, 0, world_size, 'global' if shard_mode == 'per_rank' else 'per_rank', "
            "shard.expected_batch // world_size).sample_rate, sigma, world_size, shard_mode)",
            ("tests/test_distributed.py::test_parameters_stay_identical_and_only_rank_zero_tracks",)),
@@ -326,7 +326,7 @@ MUTANTS = (
            "if False:", ("tests/test_micro_batches.py::test_a_resumed_auto_run_keeps_its_size_and_margins_and_ends_"
                          "bit_exact",)),
     Mutant("budget-stop-ignored", "a run with fixed sigma takes all planned steps past target_epsilon",
-           "workbench/privacy/mechanism.py", "        steps = budget\n", "        pass\n",
+           "workbench/privacy/mechanisms/base.py", "        steps = budget\n", "        pass\n",
            ("tests/test_mechanism.py::test_a_run_with_fixed_noise_stops_at_the_budget",)),
     Mutant("published-model-carries-the-last-batch", "the MLflow model is the trained module itself, with the last "
            "batch's per-example gradients and activations on it", "workbench/run.py",
@@ -375,7 +375,7 @@ MUTANTS = (
            ("tests/test_accounting.py::test_step_pld_self_composes_bit_for_bit_as_dp_accounting",)),
     Mutant("correlated-noise-with-dp-adamw", "DP-AdamBC subtracts independent noise of std sigma C / B from bandmf's "
            "correlated noise, whose std varies with t: not refused", "workbench/job.py",
-           'if kind != "dpsgd":  # its std is not sigma C / B', "if False:  #",
+           "if not mechanism.MECHANISMS[kind].independent_noise:  # its std is not sigma C / B", "if False:  #",
            ("tests/test_refusals_up_front.py::test_a_combination_the_config_decides_is_refused_by_the_up_front_check"
             "[optimizer=dp_adamw-privacy.mechanism=bandmf]",)),
     Mutant("typed-default-dropped", "a value the user typed for a replaced _target_ is dropped because it equals the "
@@ -428,8 +428,8 @@ MUTANTS = (
            ("tests/test_tradeoff.py::test_the_bounds_are_finite_for_every_sigma_and_tend_to_their_limit",
             "tests/test_tradeoff.py::test_a_run_that_draws_every_example_tends_to_a_bound_of_one")),
     Mutant("add-or-remove-claimed-for-every-dpsgd", "a per_rank run on W > 1 ranks (its tail cut by index) is tagged "
-           "add-or-remove, which its sampler does not give", "workbench/privacy/mechanism.py",
-           'self.kind == "dpsgd" and (self.shard_mode == "global" or self.world_size == 1)', 'self.kind == "dpsgd"',
+           "add-or-remove, which its sampler does not give", "workbench/privacy/mechanisms/dpsgd.py",
+           'return m.shard_mode == "global" or m.world_size == 1', "return True",
            ("tests/test_adjacency.py::test_add_or_remove_is_claimed_exactly_where_removing_an_example_leaves_the_"
             "others_as_they_were[dpsgd-per_rank-2]",)),
     Mutant("random-stopping-with-a-pinned-secret", "random stopping's trials run on a pinned secure_seed: a point drawn "
@@ -503,6 +503,15 @@ MUTANTS = (
            "example before issue 44) resumes, drawing other batches than the run it continues", "workbench/job.py",
            'if state.get("sampler") != sampling.SAMPLER:', "if False:",
            ("tests/test_resume.py::test_resume_refusals",)),
+    Mutant("step-ignores-the-plans-noise", "the step adds its own independent Gaussian noise, not the noise the plan "
+           "hands it: a registered mechanism's (or bandmf's) noise is never added", "workbench/step.py",
+           "make_noise = noise or (", "make_noise = None or (",
+           ("tests/test_mechanism_registry.py::test_a_registered_mechanism_trains_through_the_job_and_reports_dp_"
+            "accountings_epsilon",)),
+    Mutant("user-level-for-any-mechanism", "privacy.unit=user runs a registered mechanism that did not declare it "
+           "(users.py would sample users by plain Poisson, whatever its own sampler)", "workbench/privacy/mechanism.py",
+           'if get("unit", "example") != "example" and not spec.user_level:', "if False:",
+           ("tests/test_mechanism_registry.py::test_a_registered_mechanisms_refusal_is_asked_before_any_work",)),
 )
 
 

@@ -199,7 +199,7 @@ def refuse_unsupported(cfg: DictConfig, runs_here: bool = True) -> None:
         raise WorkbenchError(f"optimizer {target} corrects for the DP noise and needs privacy; use privacy=dp, or "
                              "optimizer=sgd (or torch.optim.AdamW) for a non-private run")
     kind, _ = mechanism.mechanism_kind(p, cfg.ddp_shard)
-    if kind != "dpsgd":  # its std is not sigma C / B: (C^-1 C^-T)_tt varies with t
+    if not mechanism.MECHANISMS[kind].independent_noise:  # its std is not sigma C / B: (C^-1 C^-T)_tt varies with t
         raise WorkbenchError(f"optimizer {target} corrects for independent noise of std sigma C / B; "
                              f"privacy.mechanism={kind}'s noise is correlated: use optimizer=sgd or torch.optim.AdamW")
 
@@ -264,7 +264,7 @@ def build(cfg: DictConfig, d: distributed.Dist, compute_metrics: Callable | None
                            noise_multiplier=plan.gradient_noise_multiplier, grad_sample_mode=p.grad_sample_mode,
                            max_physical_batch_size=cfg.max_physical_batch_size, autocast_dtype=autocast_dtype,
                            loss_scale=cfg.fp16_loss_scale if cfg.fp16 else None, clip_schedule=plan.clipping,
-                           noise_strategy=plan.strategy, expected_batch=cfg.per_device_train_batch_size,
+                           noise=plan.noise, expected_batch=cfg.per_device_train_batch_size,
                            physical_batch_memory=cfg.physical_batch_memory)
     # The same examples on every rank: a refusal is raised everywhere alike, before any run exists.
     first = loaders.first_examples(train_set, CHECK_EXAMPLES, collator)

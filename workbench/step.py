@@ -30,7 +30,6 @@ from workbench.models.losses import logits_of
 from workbench.privacy import clipping
 from workbench.privacy.clipping.adaptive import AdaptiveClip, FixedClip
 from workbench.privacy.clipping.opacus_modes import EW_MIXED_PRECISION
-from workbench.privacy.correlated import correlated_noise
 from workbench.privacy.noise import CountNoise, GaussianNoise
 
 # Opacus' hooks trigger this on every backward of a model whose inputs need no grad: expected, not actionable.
@@ -68,15 +67,17 @@ class GradientStep:
     ``clip_schedule``: C's schedule (None: fixed ``max_grad_norm``); with an adaptive one, ``noise_multiplier`` is
     the gradient's raised sigma_g (Mechanism.gradient_noise_multiplier) and the schedule's sigma_b noises the count.
 
-    ``noise_strategy``: BandMF's coefficients or a BLT (Mechanism.strategy): the noise is correlated across steps
-    (workbench/privacy/correlated.py), drawn and added at the same place; None: DP-SGD's independent noise.
+    ``noise``: the mechanism's noise maker (Mechanism.noise: called with the flat update's numel, the rank, the
+    device, the noise seed and the dtype): the plan hands the step its noise (bandmf's and blt's correlated across
+    steps, workbench/privacy/correlated.py), drawn and added at the same place; None: DP-SGD's independent Gaussian
+    noise of ``noise_multiplier`` (a step built without a plan).
     """
 
     def __init__(self, model: nn.Module, criterion: nn.Module, dist: Dist, *, max_grad_norm: float | None,
                  noise_multiplier: float, grad_sample_mode: str = "hooks", max_physical_batch_size: int = 512,
                  noise_seed: int = 0, autocast_dtype: torch.dtype | None = None, loss_scale: float | None = None,
                  clip_schedule: FixedClip | AdaptiveClip | None = None,
-                 noise_strategy: Any = None, expected_batch: int = 256,
+                 noise: Callable[..., Any] | None = None, expected_batch: int = 256,
                  physical_batch_memory: float | None = None):
         self.dist, self.criterion, self.autocast_dtype = dist, criterion, autocast_dtype
         # fp16's narrow range needs the loss scaled (bf16 has float32's exponent range and needs none); see _losses
@@ -134,11 +135,9 @@ class GradientStep:
         self.numel, self.on_cpu = numel, device.type == "cpu"
         self.loss_sum, self.count = self.flat[numel], self.flat[numel + 1]  # 0-d views: cheaper to add to
         self._update, self._totals = self.flat[:numel], self.flat[numel:]  # views made once, not per step
-        self.noise = GaussianNoise(noise_multiplier, max_grad_norm, numel, dist.rank, device, noise_seed) \
-            if self.private and noise_strategy is None else None
-        if self.private and noise_strategy is not None:
-            self.noise = correlated_noise(noise_strategy, noise_multiplier, max_grad_norm, numel, dist.rank, device,
-                                     noise_seed, self.flat.dtype)
+        make_noise = noise or (lambda n, rank, dev, seed, dtype: GaussianNoise(noise_multiplier, max_grad_norm, n, rank,
+                                                                               dev, seed))
+        self.noise = make_noise(numel, dist.rank, device, noise_seed, self.flat.dtype) if self.private else None
         self.unclipped = self.flat[numel + 2] if adaptive else None  # sum of 1[not scaled down] - 1/2, then noised
         self.count_noise = CountNoise(self.clip_schedule.count_noise, dist.rank, noise_seed) if adaptive else None
 

@@ -13,8 +13,10 @@ Where each part of DP-SGD lives:
 - accounting/     the DP event, the accountants (PLD, RDP, PRV), noise calibration, composition across runs
 - auditing/       the one-run lower bound on epsilon and its canaries
 - mechanism.py    :class:`Mechanism`: the one object a run is built from. It holds the sampler's shard and rate, C,
-                  sigma, the planned steps and the accountant of exactly that event; the step, the loop, the
-                  checkpoint and MLflow all read it, nothing re-derives q or sigma.
+                  sigma, the planned steps and the accountant of exactly that event, and hands out the sampler and
+                  the step's noise; the step, the loop, the checkpoint and MLflow all read it, nothing re-derives q
+                  or sigma.
+- mechanisms/     one module per mechanism (dpsgd, bandmf, blt) behind the ``MECHANISMS`` registry
 
 The names below are re-exported for ``from workbench.privacy import Accountant`` and friends.
 """

@@ -27,7 +27,8 @@ never to MLflow (run.py's PRIVATE_STATE). With b = 1 the noise is DP-SGD's, bit 
 
 BLT (``privacy.mechanism=blt``; the strategy, its sensitivity and its participation are blt.py's) adds, with
 :class:`BLTNoise`, sigma C_clip (C^{-1} Z)_t from the same secret stream by a forward solve of C x = z over d
-buffers (O(d x model), checkpointed and secret like the ring). :func:`correlated_noise` picks one of the two.
+buffers (O(d x model), checkpointed and secret like the ring). A run's plan builds its own
+(mechanisms/bandmf.py, mechanisms/blt.py: Mechanism.noise); :func:`correlated_noise` picks one by the strategy.
 """
 
 from __future__ import annotations
@@ -41,9 +42,6 @@ import torch
 from workbench.errors import WorkbenchError
 from workbench.privacy.blt import BLT, check_blt
 from workbench.privacy.sampling import NOISE_STREAM, step_generator
-
-MECHANISMS = ("dpsgd", "bandmf", "blt")
-
 
 def sqrt_coefficients(num_bands: int) -> np.ndarray:
     """The first b coefficients of (1 - x)^(-1/2): c_0 = 1, c_j = c_{j-1} (2j - 1) / (2j)."""

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from workbench import privacy
 from workbench.errors import WorkbenchError
-from workbench.privacy.accounting.banded import accountant_of
+from workbench.privacy.mechanism import accountant_of
 from workbench.privacy.accounting.tuning import composed_epsilon, profile_epsilon, random_stopping_epsilon
 from workbench.tracking.runs import NOTE_TAG
 from workbench.tracking.tracker import MlflowTracker
@@ -60,7 +60,7 @@ def _cost(runs, state: dict) -> tuple[dict[str, float], list[str], str | None]:
         e = json.loads(event)
         # A point that ended early spent at most its planned steps: count those (an upper bound).
         steps = int(row["steps"]) if row["status"] == "FINISHED" and row.get("steps") == row.get("steps") else e["planned_steps"]
-        events.append((accountant_of(e), steps, e["delta"]))  # bandmf's when the tag says so
+        events.append((accountant_of(e), steps, e["delta"]))  # its mechanism's (privacy/mechanism.py's registry)
         data.add(tuple(sorted((k, str(v)) for k, v in row.items() if k.startswith("params.data.train"))))
         units.add(e.get("unit", "example"))  # privacy.unit=user: workbench/privacy/users.py
         relations.add(e.get("adjacency"))

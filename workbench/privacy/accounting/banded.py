@@ -73,8 +73,9 @@ class BandMFAccountant(Accountant):
 
 
 def accountant_of(fields: dict[str, Any], kind: str = "pld") -> Accountant:
-    """The accountant of a run's ``workbench.dp_event`` fields (Mechanism.event_fields): BandMF's or BLT's when it
-    says so."""
+    """The accountant of a run's ``workbench.dp_event`` fields of the built-in mechanisms (dpsgd, bandmf, blt): the
+    old import path. privacy/mechanism.py's ``accountant_of`` reads any registered mechanism's (what a sweep uses);
+    the registry imports accounting/, so accounting/ cannot ask it back."""
     if fields.get("mechanism") == "blt":
         from workbench.privacy.accounting.blt import BLTAccountant, blt_of
 
