@@ -503,6 +503,15 @@ MUTANTS = (
            "example before issue 44) resumes, drawing other batches than the run it continues", "workbench/job.py",
            'if state.get("sampler") != sampling.SAMPLER:', "if False:",
            ("tests/test_resume.py::test_resume_refusals",)),
+    Mutant("pre-run-check-reads-every-row", "the pre-run data check reads the whole training set, not its first FIRST "
+           "examples: O(N) before the run (a 1e8-row memmap read whole)", "workbench/data/checks.py",
+           "first_examples(dataset, FIRST, collator) if indices is None",
+           "first_examples(dataset, len(dataset), collator) if indices is None",
+           ("tests/test_memmap.py::test_a_memmap_trains_reading_only_the_rows_each_step_drew[1000000]",)),
+    Mutant("in-memory-scan-unbounded", "the pre-run scan of an in-memory tensor dataset reads every row: its memory "
+           "grows with N (a mask of N values per check)", "workbench/data/checks.py",
+           "scanned = tuple(t[:SCAN] for t in tensors) if whole", "scanned = tuple(tensors) if whole",
+           ("tests/test_memmap.py::test_the_in_memory_scan_reads_the_first_scan_rows_only",)),
 )
 
 
