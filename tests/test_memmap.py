@@ -105,11 +105,25 @@ def test_a_bad_token_file_is_refused_in_one_line_before_any_run_or_folder(tmp_pa
 
     data = tmp_path.parent / f"{tmp_path.name}-data"  # outside the working dir, which must stay empty
     data.mkdir()
-    setup = [*_overrides(data, 100), f"output_dir={tmp_path / 'run'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    setup = [*_overrides(data, 100), f"output_dir={tmp_path / 'run'}",
+             f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
     with pytest.raises(WorkbenchError) as err:
         for cfg in check_args([*setup, *args]):
             launch_or_clean_up(cfg)
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    _assert_nothing_left(tmp_path)
+
+
+def test_the_cli_refuses_a_token_file_of_part_rows_with_exit_2_and_leaves_nothing(tmp_path):
+    from tests.test_bad_input import _assert_nothing_left
+
+    data = tmp_path.parent / f"{tmp_path.name}-data"
+    data.mkdir()
+    proc = run_cli(*_overrides(data, 100), "data.seq_len=7", cwd=tmp_path, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: could not build data.train: "
+                                                                            "TokenMemmap "), proc.stderr[-2000:]
+    assert "not a whole number of rows of seq_len=7" in lines[0]
     _assert_nothing_left(tmp_path)
 
 

@@ -1,7 +1,7 @@
 """The datasets: in-memory tensors handed back a whole index list at once (:class:`ArrayDataset`), scikit-learn's
-digits with a fixed stratified split, synthetic blobs, images and token sequences, the real CIFAR-10 read by an unpickler that
-accepts arrays and lists only, and token ids in a memory-mapped file of any length. Any map-style ``Dataset`` plugs in by
-config (``data.train._target_``)."""
+digits with a fixed stratified split, synthetic blobs, images and token sequences, the real CIFAR-10 read by an
+unpickler that accepts arrays and lists only, and token ids in a memory-mapped file of any length. Any map-style
+``Dataset`` plugs in by config (``data.train._target_``)."""
 
 from __future__ import annotations
 
@@ -168,7 +168,8 @@ class TokenMemmap(Dataset):
 
     def __init__(self, path: str, seq_len: int, dtype: str = "uint16", start: int = 0, max_rows: int | None = None):
         if dtype not in self.DTYPES:
-            raise WorkbenchError(f"TokenMemmap dtype={dtype!r} is not a token id type; choose one of {', '.join(self.DTYPES)}")
+            raise WorkbenchError(f"TokenMemmap dtype={dtype!r} is not a token id type; choose one of "
+                                 f"{', '.join(self.DTYPES)}")
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
             raise WorkbenchError(f"TokenMemmap seq_len must be an int >= 2 (the loss shifts by one), got {seq_len!r}")
         file = Path(str(path)).expanduser()
