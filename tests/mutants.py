@@ -512,6 +512,15 @@ MUTANTS = (
            "(users.py would sample users by plain Poisson, whatever its own sampler)", "workbench/privacy/mechanism.py",
            'if get("unit", "example") != "example" and not spec.user_level:', "if False:",
            ("tests/test_mechanism_registry.py::test_a_registered_mechanisms_refusal_is_asked_before_any_work",)),
+    Mutant("pre-run-check-reads-every-row", "the pre-run data check reads the whole training set, not its first FIRST "
+           "examples: O(N) before the run (a 1e8-row memmap read whole)", "workbench/data/checks.py",
+           "first_examples(dataset, FIRST, collator) if indices is None",
+           "first_examples(dataset, len(dataset), collator) if indices is None",
+           ("tests/test_memmap.py::test_a_memmap_trains_reading_only_the_rows_each_step_drew[1000000]",)),
+    Mutant("in-memory-scan-unbounded", "the pre-run scan of an in-memory tensor dataset reads every row: its memory "
+           "grows with N (a mask of N values per check)", "workbench/data/checks.py",
+           "scanned = tuple(t[:SCAN] for t in tensors) if whole", "scanned = tuple(tensors) if whole",
+           ("tests/test_memmap.py::test_the_in_memory_scan_reads_the_first_scan_rows_only",)),
 )
 
 

@@ -3,10 +3,14 @@
 A data error found mid-training (or at the closing eval) would surface as a raw RuntimeError deep in torch, with a
 run left FAILED. Here it is one line that names the dataset, the example and the fix. What is checked:
 
-- non-finite values: every example of an in-memory tensor dataset, else the first batch;
+- non-finite values: the first SCAN examples of an in-memory tensor dataset (every one up to that size), else the
+  first batch (FIRST examples);
 - the model takes the first batch (input width, dtype), the criterion takes its output and the labels;
 - class labels (a classification criterion, model output ``(batch, classes)``, labels ``(batch,)``) are integers in ``[0, classes)`` (or the
-  criterion's ``ignore_index``): every label of an in-memory dataset, else the first batch.
+  criterion's ``ignore_index``): the first SCAN labels of an in-memory dataset, else the first batch's.
+
+What it reads is bounded whatever N (a memory-mapped dataset of 1e8 rows: its first FIRST rows); an example past it
+that fails is named when its step fails (:func:`blame_example`).
 
 It reads the data the user is about to train on, before training: it releases nothing but the refusal itself.
 """
@@ -27,6 +31,7 @@ from workbench.data.loaders import examples, first_examples
 from workbench.errors import WorkbenchError
 
 FIRST = 8  # examples run through the model and the criterion
+SCAN = 1 << 20  # rows of an in-memory tensor dataset scanned for non-finite values and labels (bounded memory)
 CLASS_CRITERIA = (nn.CrossEntropyLoss, nn.NLLLoss, nn.MultiMarginLoss)  # take (batch, classes) scores, (batch,) labels
 
 
@@ -38,9 +43,9 @@ def check_fit(dataset: Any, name: str, model: nn.Module, criterion: Callable, de
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(torch.is_tensor(t) for t in batch)):
         return  # another batch shape (a mapping, several inputs): checked by the trainer's own pre-run check
     x, y = batch
-    tensors = getattr(dataset, "tensors", None)  # TensorDataset: everything is in memory, so scan it all
+    tensors = getattr(dataset, "tensors", None)  # TensorDataset: in memory, so scan it (its first SCAN rows)
     whole = indices is None and isinstance(tensors, (tuple, list)) and len(tensors) == 2
-    scanned = tensors if whole else (x, y)
+    scanned = tuple(t[:SCAN] for t in tensors) if whole else (x, y)
     at = (lambda i: i) if whole or indices is None else indices.__getitem__  # a row of `scanned` -> dataset index
     for what, t in zip(("input", "label"), scanned):
         if t.is_floating_point() and not torch.isfinite(t).all():

@@ -1,6 +1,7 @@
 """The datasets: in-memory tensors handed back a whole index list at once (:class:`ArrayDataset`), scikit-learn's
-digits with a fixed stratified split, synthetic blobs, images and token sequences, and the real CIFAR-10 read by an unpickler that
-accepts arrays and lists only. Any map-style ``Dataset`` plugs in by config (``data.train._target_``)."""
+digits with a fixed stratified split, synthetic blobs, images and token sequences, the real CIFAR-10 read by an
+unpickler that accepts arrays and lists only, and token ids in a memory-mapped file of any length. Any map-style
+``Dataset`` plugs in by config (``data.train._target_``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from workbench.errors import WorkbenchError
 
@@ -153,3 +154,57 @@ class _ArraysOnly(pickle.Unpickler):
                 or (module, name) == ("_codecs", "encode")):  # how Python 3 writes bytes at protocol 2
             return super().find_class(module, name)
         raise WorkbenchError(f"refusing to unpickle {module}.{name}: a CIFAR-10 batch holds only arrays and lists")
+
+
+class TokenMemmap(Dataset):
+    """Token ids in a flat binary file, read through a numpy memmap: rows of ``seq_len`` ids of ``dtype`` back to back
+    (``np.memmap(path, dtype, mode="w+", shape=(rows, seq_len))`` writes one; nanoGPT's ``train.bin`` cut into rows).
+    Its length is public and fixed, the file's size over the size of a row; only the rows a batch asks for are read
+    (``__getitems__``: one fancy index into the map), so a file of 1e8+ rows trains in memory independent of its
+    length. Examples are (ids, ids) as :class:`SyntheticTokens`' (``workbench.losses.TokenCrossEntropy(shift=True)``).
+    ``start`` and ``max_rows``: rows [start, start + max_rows) only, e.g. a bounded eval slice."""
+
+    DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")
+
+    def __init__(self, path: str, seq_len: int, dtype: str = "uint16", start: int = 0, max_rows: int | None = None):
+        if dtype not in self.DTYPES:
+            raise WorkbenchError(f"TokenMemmap dtype={dtype!r} is not a token id type; choose one of "
+                                 f"{', '.join(self.DTYPES)}")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+            raise WorkbenchError(f"TokenMemmap seq_len must be an int >= 2 (the loss shifts by one), got {seq_len!r}")
+        file = Path(str(path)).expanduser()
+        if not file.is_file():
+            raise WorkbenchError(f"TokenMemmap path={str(path)!r} is not a file (rows of seq_len token ids of dtype)")
+        row_bytes = seq_len * np.dtype(dtype).itemsize
+        size = file.stat().st_size
+        if size == 0 or size % row_bytes:
+            raise WorkbenchError(f"TokenMemmap {str(file)!r} holds {size} bytes, not a whole number of rows of "
+                                 f"seq_len={seq_len} {dtype} ids ({row_bytes} bytes each); check seq_len and dtype")
+        self.total = size // row_bytes
+        if not 0 <= start < self.total or (max_rows is not None and max_rows < 1):
+            raise WorkbenchError(f"TokenMemmap start={start}, max_rows={max_rows} select no row of the {self.total} "
+                                 f"in {str(file)!r}")
+        self.path, self.seq_len, self.dtype, self.start = str(file), seq_len, dtype, start
+        self.rows = self.total - start if max_rows is None else min(max_rows, self.total - start)
+        self._map: np.memmap | None = None
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def _read(self, index: np.ndarray) -> torch.Tensor:
+        if index.size and (index.min() < 0 or index.max() >= self.rows):  # numpy would wrap a negative index
+            raise IndexError(f"TokenMemmap index out of range [0, {self.rows})")
+        if self._map is None:  # opened on first read, in each process (a worker unpickles it without the map)
+            self._map = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.total, self.seq_len))
+        return torch.from_numpy(self._map[index + self.start].astype(np.int64))
+
+    def __getitems__(self, indices: Sequence[int]):
+        ids = self._read(np.asarray(indices, dtype=np.int64).reshape(-1))
+        return ids, ids
+
+    def __getitem__(self, i: int):
+        ids = self._read(np.asarray([i], dtype=np.int64))[0]
+        return ids, ids
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_map": None}
