@@ -212,6 +212,17 @@ def test_a_value_typed_inside_a_dict_argument_keeps_the_whole_argument():
         assert own["config"]["vocab_size"] == 64 and "num_labels" not in own, own
 
 
+def test_an_option_whose_arguments_are_interpolations_can_have_its_target_replaced():
+    """cifar10's data.train.root is ${data.root}: read in its option file alone it cannot be resolved. Still the
+    option's value, it is dropped for another class; typed (or typed as the same interpolation), it is passed."""
+    from workbench import compose, overrides
+
+    common = ["data=cifar10", "data.root=/tmp/cifar", "data.train._target_=collections.OrderedDict"]
+    assert dict(overrides.own_arguments(compose(common), "data.train")) == {"_target_": "collections.OrderedDict"}
+    for typed in ("data.train.root=/tmp/cifar", "data.train.root=${data.root}"):
+        assert overrides.own_arguments(compose([*common, typed]), "data.train")["root"] == "/tmp/cifar"
+
+
 def test_set_keys_reads_each_override_as_hydra_parses_it():
     from workbench.overrides import set_keys
 

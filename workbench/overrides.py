@@ -58,11 +58,14 @@ def own_arguments(cfg: DictConfig, path: str) -> Any:
     if not isinstance(option, DictConfig) or option.get("_target_") == node.get("_target_"):
         return node
     own = OmegaConf.create(OmegaConf.to_container(node, resolve=True))
+    # Compared as written: an option's ${data.root} cannot be resolved apart from the config, and is still the
+    # option's value where the node holds the same interpolation
+    written, defaults = OmegaConf.to_container(node, resolve=False), OmegaConf.to_container(option, resolve=False)
     typed = [k for k in cfg.tracking.tags.get(SET_KEYS_TAG, "").split(",") if k]
     for key in list(own.keys()):
         hydra_key = str(key).startswith("_") and str(key).endswith("_")  # _target_, _partial_, ...: how to build it
         mine = f"{path}.{key}"  # typed as it is, or a value inside it (model.config.vocab_size=64)
-        if not hydra_key and key in option and own[key] == option[key] and not any(
+        if not hydra_key and key in defaults and written[key] == defaults[key] and not any(
                 k == mine or k.startswith(mine + ".") for k in typed):
             del own[key]
     return own
