@@ -11,6 +11,7 @@ many cases hypothesis draws (``make test``: a fixed, derandomised set; ``make fu
 from __future__ import annotations
 
 import math
+import numpy as np
 import os
 
 import pytest
@@ -661,7 +662,7 @@ def _pairs(positions: int, d: int, g: torch.Generator) -> torch.Tensor:
     return rows[torch.randperm(positions, generator=g)]
 
 
-def _conv_inputs(m: nn.Conv2d, shape, out_shape, cancel: bool, g: torch.Generator):
+def _conv_inputs(shape, out_shape, cancel: bool, g: torch.Generator):
     """x: one channel vector at every pixel (plus a little noise), so that every patch U_l is nearly the same and the
     pairs of output gradients cancel in G = sum_l g_l U_l^T; or plain Gaussian inputs."""
     c, h, w = shape
@@ -682,7 +683,7 @@ def _conv_exact(m: nn.Conv2d, shape, x, y):
     return (g @ u.t()).flatten(), float((g.norm(dim=0) * u.norm(dim=0)).sum()), u.shape[1]
 
 
-def _ids_inputs(cancel: bool, g: torch.Generator, positions: int = 16, d: int = 16):
+def _ids_inputs(g: torch.Generator, positions: int = 16, d: int = 16):
     """One id repeated at every position, its output gradient rows in nearly cancelling pairs (G = their sum)."""
     return torch.full((1, positions), 1.0), _pairs(positions, d, g).float().reshape(1, -1)
 
@@ -693,7 +694,8 @@ def _ids_exact(m: nn.Embedding, x, y):
     return table.flatten(), float(g.norm(dim=1).sum()), x.shape[1]
 
 
-def _norm_inputs(shape, cancel: bool, g: torch.Generator):
+def _norm_inputs(shape, g: torch.Generator):
+    """Plain Gaussian inputs: a formed gradient's margin is relative to its own norm, cancellation does not move it."""
     return (torch.randn(1, math.prod(shape), generator=g), torch.randn(1, math.prod(shape), generator=g))
 
 
@@ -734,17 +736,17 @@ ROUTES = {  # name -> (model factory, input shape, output shape, {(rule class, a
 
 
 def _route_case(name: str, g: torch.Generator):
-    """(model, x, y, exact) for a route: exact(x, y) -> (G flat, S, positions) in float64."""
+    """(model, layer, x, y, exact) for a route: exact(x, y) -> (G flat, S, positions) in float64."""
     factory, shape, out_shape, _, sums = ROUTES[name]
     torch.manual_seed(0)
     layer = factory()
     if isinstance(layer, nn.Embedding):
-        x, y = _ids_inputs(True, g)
+        x, y = _ids_inputs(g)
         return _Ids(layer), layer, x, y, lambda x, y: _ids_exact(layer, x, y)
     if isinstance(layer, nn.Conv2d):
-        x, y = _conv_inputs(layer, shape, out_shape, sums != "formed", g)
+        x, y = _conv_inputs(shape, out_shape, sums != "formed", g)
         return _Conv(layer, shape), layer, x, y, lambda x, y: _conv_exact(layer, shape, x, y)
-    x, y = _norm_inputs(shape, False, g)
+    x, y = _norm_inputs(shape, g)
     exact = _layernorm_exact if isinstance(layer, nn.LayerNorm) else _groupnorm_exact
     return _Conv(layer, shape), layer, x, y, lambda x, y: exact(layer, shape, x, y)
 
@@ -782,7 +784,8 @@ def test_each_other_routes_clip_factor_leaves_room_for_an_independently_counted_
     model, layer, x, y, exact = _route_case(route, torch.Generator().manual_seed(11))
     step = GradientStep(model, _inner, setup("gloo"), max_grad_norm=CLIP, noise_multiplier=0.0,
                         grad_sample_mode="bk", max_physical_batch_size=BATCH)
-    benign = torch.randint(0, 5, (4, x.shape[1])).float() if isinstance(layer, nn.Embedding) else torch.randn(4, x.shape[1])
+    ids = isinstance(layer, nn.Embedding)
+    benign = torch.randint(0, 5, (4, x.shape[1])).float() if ids else torch.randn(4, x.shape[1])
     step.check((benign, torch.randn(4, y.shape[1])))
     norm, _, _ = exact(x, y)
     y = (y.double() * (10 * CLIP / float(norm.norm()))).float()  # ||G|| ~ 10 C: clipped (G is linear in g)
@@ -808,3 +811,50 @@ def test_each_other_routes_clip_factor_leaves_room_for_an_independently_counted_
     if sums == "stash":  # from the inputs alone: ||W|| <= ||G|| + gamma_L S
         assert S > 20 * G
         assert f * (G + _gamma(positions) * S) * (1 + _gamma(BATCH + 1)) <= CLIP * (1 + RHO), (route, f, G, S)
+
+
+def _rounding_up(first: float, terms: int) -> np.ndarray:
+    """float32 terms (first, then ~1 each) chosen one at a time so that every partial sum of a sequential float32 sum
+    rounds up by almost half an ulp (the largest one rounding can add), their norms all ~1 (Cauchy-Schwarz tight)."""
+    out = np.empty(terms, dtype=np.float32)
+    out[0] = s = np.float32(first)
+    candidates = np.float32(1) + np.arange(2 ** 13, dtype=np.float32) * np.float32(2.0 ** -23)  # 1 .. 1 + 2^-10
+    for t in range(1, terms):
+        up = (s + candidates).astype(np.float64) - (np.float64(s) + candidates.astype(np.float64))
+        out[t] = candidates[int(np.argmax(up))]
+        s = np.float32(s + out[t])
+    return out
+
+
+def test_a_kernel_sum_whose_every_partial_sum_rounds_up_is_clipped_within_the_clip():
+    """The worst case approached: one id looked up at T = 2048 positions (an Embedding's index_add_ adds the rows one
+    after another: a sequential float32 sum), output gradient rows (v_t, v_t, v_t, v_t) chosen so that every partial
+    sum rounds up by almost half an ulp. Counted from the shape (max_physical_batch_size 1: one chunk of one example)
+    K = 1 + T + 1 = 2050 roundings a term, so gamma_K S bounds the error; a sequential sum only reaches about a third
+    of it (a term added at step t is rounded T - t times, and half an ulp of s is u s to u s / 2). Unclipped (a
+    quarter of the height, exact: powers of two commute with rounding) the measured error is that third; at full
+    height ||G|| < C, yet the unclipped release would be past C (1 + RHO): the factor must be below 1 and the release
+    within C (1 + RHO). With a margin a quarter of gamma_K S (fp-kernel-count-quartered) the factor is 1 and it is
+    not."""
+    positions, scale = 2048, 2.0 ** -11  # ||row sum|| = 2 sum_t v_t 2^-12, ~1 = C
+    for first in np.linspace(0.6, 1.0, 81):  # the first term tunes ||G|| into the window (a handful of tries)
+        v = _rounding_up(float(first), positions)
+        exact = float(v.astype(np.float64).sum()) * scale  # ||G||: exact in float64 (2048 24-bit terms)
+        unclipped = float(np.float32(np.cumsum(v, dtype=np.float32)[-1])) * scale  # sequential float32 running sums
+        if CLIP * (1 + 4 * RHO) < unclipped and exact * (1 + _gamma(2050) / 4) < CLIP * (1 - 4 * RHO):
+            break
+    else:
+        pytest.fail("no first term puts ||G|| in the window")
+    s = exact  # S = sum_t ||g_t|| = ||G||: every row points the same way
+    model = _Ids(nn.Embedding(3, 4))
+    step = GradientStep(model, _inner, setup("gloo"), max_grad_norm=CLIP, noise_multiplier=0.0,
+                        grad_sample_mode="bk", max_physical_batch_size=1)
+    step.check((torch.randint(0, 3, (2, positions)).float(), torch.randn(2, positions * 4)))
+    ids = torch.full((1, positions), 1.0)
+    rows = torch.from_numpy(v).view(positions, 1).expand(positions, 4) * 2.0 ** -12  # exact
+    low = _released(step, ids, (rows / 4).reshape(1, -1))  # ||G|| / 4: not clipped, f = 1
+    measured = float(low.norm()) - exact / 4
+    assert float(low.norm()) == pytest.approx(unclipped / 4, rel=1e-12)  # bit for bit: sequential, as built
+    assert 0.3 * _gamma(2050) * s / 4 <= measured <= _gamma(2050) * s / 4  # a third of the counted bound, within it
+    released = _released(step, ids, rows.reshape(1, -1))
+    assert float(released.norm()) <= CLIP * (1 + RHO) < unclipped  # clipped, and had to be
