@@ -42,6 +42,8 @@ NOISE_GATE = "self.adds = self.sigma > 0 and self.rank == 0"
 NOISE_CALL = "        if self.noise is not None:  # 3:"
 FP_CANCEL = "tests/test_fp_bound.py::test_inputs_that_cancel_across_positions_are_released_within_the_clip"
 FP_FUZZ = "tests/test_fp_bound.py::test_no_example_is_released_above_the_clip_in_floating_point"
+FP_WORST = "tests/test_fp_bound.py::test_a_kernel_sum_whose_every_partial_sum_rounds_up_is_clipped_within_the_clip"
+FP_ROUTES = "tests/test_fp_bound.py::test_each_other_routes_clip_factor_leaves_room_for_an_independently_counted_rounding"
 
 MUTANTS = (
     Mutant("divide-by-realised-batch", "the update is divided by the realised batch, not the expected B",
@@ -417,11 +419,20 @@ MUTANTS = (
            "    return min(batch, c) * positions + calls * math.ceil(batch / c) + 2",
            "    return (min(batch, c) * positions + calls * math.ceil(batch / c) + 2) // 4",
            tuple(f"tests/test_fp_bound.py::test_each_clip_factor_leaves_room_for_an_independently_counted_rounding[{s}]" for s in ("linear_rows", "linear_seq_kept", "linear_seq_formed_norms",
-                                          "linear_seq_gram32"))),
+                                          "linear_seq_gram32"))
+           + tuple(f"{FP_ROUTES}[{s}]" for s in ("conv2d_kernel_formed_norms", "conv2d_kernel_gram",
+                                                 "conv2d_patches_sum", "embedding"))
+           + (FP_WORST,)),
     Mutant("fp-materialised-margin-quartered", "formed per-sample gradients' margin for their sum is gamma_{batch+2} / 4",
            "workbench/privacy/clipping/bound.py", "return b._replace(rel=b.rel + gamma(batch + 2)",
            "return b._replace(rel=b.rel + gamma(batch + 2) / 4",
-           tuple(f"tests/test_fp_bound.py::test_each_clip_factor_leaves_room_for_an_independently_counted_rounding[{s}]" for s in ("materialised_hooks", "materialised_functorch"))),
+           tuple(f"tests/test_fp_bound.py::test_each_clip_factor_leaves_room_for_an_independently_counted_rounding[{s}]" for s in ("materialised_hooks", "materialised_functorch"))
+           + tuple(f"{FP_ROUTES}[{s}]" for s in ("patch_conv_formed", "layernorm", "groupnorm"))),
+    Mutant("fp-conv-kernel-error-quartered", "a kept convolution's kernel error term is a quarter of gamma_K S: its "
+           "clipped sum may release past C (1 + rho) where terms cancel", "workbench/privacy/clipping/layers/conv.py",
+           "err += (formed + kernel) * magnitude", "err += (formed + kernel) * magnitude / 4",
+           tuple(f"{FP_ROUTES}[{s}]" for s in ("conv2d_kernel_formed_norms", "conv2d_kernel_gram",
+                                               "conv2d_patches_sum"))),
     Mutant("mia-bound-overflows-to-nan", "the membership-inference bounds take e^eps and e^-L apart: past a loss of 709 "
            "(tiny sigma) inf * 0 publishes NaN", "workbench/privacy/accounting/tradeoff.py",
            "lower += sign * np.exp(eps + log_sums[first])", "lower += sign * np.exp(eps) * np.exp(log_sums[first])",

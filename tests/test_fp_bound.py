@@ -11,10 +11,12 @@ many cases hypothesis draws (``make test``: a fixed, derandomised set; ``make fu
 from __future__ import annotations
 
 import math
+import numpy as np
 import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 
@@ -615,3 +617,244 @@ def test_each_clip_factor_leaves_room_for_an_independently_counted_rounding(shap
     f = float(factor[0])
     assert 0 < f < 1 and float(released.norm()) <= CLIP * (1 + RHO)
     assert f * (exact + rounding) * (1 + _gamma(summed)) <= CLIP * (1 + RHO), (shape, f, exact, rounding)
+
+
+# The other layer families' routes, counted the same way from their shapes (L output positions or T ids per example,
+# m = min(BATCH, KERNEL_ROWS // L) examples per kernel call, BATCH = max_physical_batch_size):
+# - a kept convolution's clipped sum (the weight-gradient kernel, or patches @ scaled g: the same products) and an
+#   Embedding's (index_add_ of the scaled rows): each term is rounded once when g is scaled by f (float32), then by its
+#   chunk's reduction over m L terms (at most m L roundings: Higham 3.1), then once by each of the ceil(BATCH / m)
+#   chunk results added into the buffer: K = 1 + m L + ceil(BATCH / m), K' = 0, S = sum_l ||g_l|| ||U_l|| (U_l the
+#   input patch output position l reads; an Embedding's a_t is one-hot: S = sum_t ||g_t||);
+# - a convolution that keeps its formed per-sample gradients W_i for the sum (ConvRule.STASH_IF): each entry of W_i is a
+#   float32 sum of L products (K = L, so ||W_i|| <= ||G_i|| + gamma_L S_i), then one matrix-vector product over at most
+#   BATCH rows and one add into the buffer (K' = BATCH + 1);
+# - formed gradients summed as they are (PatchConvRule's bmm over L patches, LayerNorm / GroupNorm's affine
+#   gradients): they are clipped by their own norm, so what must hold is f ||W_i|| (1 + gamma_{BATCH+1}) <= C (1 + RHO)
+#   with ||W_i|| measured in float64 on the tensor actually summed (captured), and W_i within gamma_L S_i of the
+#   float64 gradient (checks the capture is the example's gradient).
+class _Conv(nn.Module):
+    """One bias-free convolution; the criterion <out, y> makes its output gradient y itself."""
+
+    def __init__(self, layer: nn.Module, shape: tuple[int, ...]):
+        super().__init__()
+        self.layer, self.shape = layer, shape
+
+    def forward(self, x):
+        return self.layer(x.view(len(x), *self.shape))
+
+
+class _Ids(nn.Module):
+    """An Embedding on ids sent as floats (the step's batch)."""
+
+    def __init__(self, layer: nn.Embedding):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x.long())
+
+
+def _pairs(positions: int, d: int, g: torch.Generator) -> torch.Tensor:
+    """(positions, d) float64 rows in pairs y, -y + r/10, shuffled: their sum is ~1/40 of the sum of their norms."""
+    y = torch.randn(positions // 2, d, generator=g, dtype=torch.float64)
+    rows = torch.cat([y, -y + torch.randn(positions // 2, d, generator=g, dtype=torch.float64) / 10])
+    return rows[torch.randperm(positions, generator=g)]
+
+
+def _conv_inputs(shape, out_shape, cancel: bool, g: torch.Generator):
+    """x: one channel vector at every pixel (plus a little noise), so that every patch U_l is nearly the same and the
+    pairs of output gradients cancel in G = sum_l g_l U_l^T; or plain Gaussian inputs."""
+    c, h, w = shape
+    if cancel:
+        x = torch.randn(c, 1, 1, generator=g, dtype=torch.float64) + torch.randn(c, h, w, generator=g,
+                                                                                   dtype=torch.float64) / 100
+        y = _pairs(out_shape[1] * out_shape[2], out_shape[0], g).t()
+    else:
+        x, y = torch.randn(c, h, w, generator=g, dtype=torch.float64), torch.randn(*out_shape, generator=g,
+                                                                                  dtype=torch.float64)
+    return x.float().reshape(1, -1), y.float().reshape(1, -1)
+
+
+def _conv_exact(m: nn.Conv2d, shape, x, y):
+    """(G flat, S, L) in float64 from the float32 inputs, by unfolding the patches."""
+    u = F.unfold(x.double().view(1, *shape), m.kernel_size, m.dilation, m.padding, m.stride)[0]  # (p, L)
+    g = y.double().view(m.out_channels, -1)
+    return (g @ u.t()).flatten(), float((g.norm(dim=0) * u.norm(dim=0)).sum()), u.shape[1]
+
+
+def _ids_inputs(g: torch.Generator, positions: int = 16, d: int = 16):
+    """One id repeated at every position, its output gradient rows in nearly cancelling pairs (G = their sum)."""
+    return torch.full((1, positions), 1.0), _pairs(positions, d, g).float().reshape(1, -1)
+
+
+def _ids_exact(m: nn.Embedding, x, y):
+    g = y.double().view(x.shape[1], -1)
+    table = torch.zeros(m.num_embeddings, g.shape[1], dtype=torch.float64).index_add_(0, x[0].long(), g)
+    return table.flatten(), float(g.norm(dim=1).sum()), x.shape[1]
+
+
+def _norm_inputs(shape, g: torch.Generator):
+    """Plain Gaussian inputs: a formed gradient's margin is relative to its own norm, cancellation does not move it."""
+    return (torch.randn(1, math.prod(shape), generator=g), torch.randn(1, math.prod(shape), generator=g))
+
+
+def _layernorm_exact(m: nn.LayerNorm, shape, x, y):
+    """Weight and bias gradients sum_t g_t x_hat_t, sum_t g_t (x_hat in float64), S = sum_t ||g_t|| (||x_hat_t|| + 1)."""
+    a, g = x.double().view(shape), y.double().view(shape)
+    hat = F.layer_norm(a, m.normalized_shape, eps=m.eps)
+    s = float((g.norm(dim=-1) * (hat.norm(dim=-1) + 1)).sum())
+    return torch.cat([(g * hat).sum(0), g.sum(0)]), s, shape[0]
+
+
+def _groupnorm_exact(m: nn.GroupNorm, shape, x, y):
+    a, g = x.double().view(1, *shape), y.double().view(1, *shape)
+    hat = F.group_norm(a, m.num_groups, eps=m.eps)
+    per = lambda t: t.flatten(2)[0]  # noqa: E731 - (channels, positions)
+    s = float((per(g).norm(dim=0) * (per(hat).norm(dim=0) + 1)).sum())
+    return torch.cat([per(g * hat).sum(1), per(g).sum(1)]), s, math.prod(shape[1:])
+
+
+_NO_STASH = {("ConvRule", "STASH_IF"): 0}
+ROUTES = {  # name -> (model factory, input shape, output shape, {(rule class, attribute): value}, how it sums)
+    # 3x3, no padding (not a patch convolution), 16 -> 64 channels on 6x6: a and g (576 + 1024) < the weight's 9216
+    "conv2d_kernel_formed_norms": (lambda: nn.Conv2d(16, 64, 3, bias=False), (16, 6, 6), (64, 4, 4),
+                                   {**_NO_STASH, ("ConvRule", "PATCH_SUM_IF"): math.inf,
+                                    ("ConvRule", "GRAM_IF"): math.inf}, "kernel"),
+    "conv2d_kernel_gram": (lambda: nn.Conv2d(16, 64, 3, bias=False), (16, 6, 6), (64, 4, 4),
+                           {**_NO_STASH, ("ConvRule", "PATCH_SUM_IF"): math.inf}, "kernel"),
+    "conv2d_patches_sum": (lambda: nn.Conv2d(16, 64, 3, bias=False), (16, 6, 6), (64, 4, 4),
+                           {**_NO_STASH, ("ConvRule", "PATCH_SUM_IF"): 0, ("ConvRule", "GRAM_IF"): math.inf}, "kernel"),
+    "conv2d_stash": (lambda: nn.Conv2d(16, 64, 3, bias=False), (16, 6, 6), (64, 4, 4),
+                     {("ConvRule", "STASH_IF"): math.inf, ("ConvRule", "GRAM_IF"): math.inf}, "stash"),
+    # a patch convolution (2x2, stride 2) 1 -> 8 on 8x8: 32 weights per example, formed (PatchConvRule)
+    "patch_conv_formed": (lambda: nn.Conv2d(1, 8, 2, stride=2, bias=False), (1, 8, 8), (8, 4, 4), {}, "formed"),
+    "embedding": (lambda: nn.Embedding(5, 16), (16,), (16, 16), {}, "kernel"),
+    "layernorm": (lambda: nn.LayerNorm(8), (6, 8), (6, 8), {}, "formed"),
+    "groupnorm": (lambda: nn.GroupNorm(2, 8), (8, 3, 3), (8, 3, 3), {}, "formed"),
+}
+
+
+def _route_case(name: str, g: torch.Generator):
+    """(model, layer, x, y, exact) for a route: exact(x, y) -> (G flat, S, positions) in float64."""
+    factory, shape, out_shape, _, sums = ROUTES[name]
+    torch.manual_seed(0)
+    layer = factory()
+    if isinstance(layer, nn.Embedding):
+        x, y = _ids_inputs(g)
+        return _Ids(layer), layer, x, y, lambda x, y: _ids_exact(layer, x, y)
+    if isinstance(layer, nn.Conv2d):
+        x, y = _conv_inputs(shape, out_shape, sums != "formed", g)
+        return _Conv(layer, shape), layer, x, y, lambda x, y: _conv_exact(layer, shape, x, y)
+    x, y = _norm_inputs(shape, g)
+    exact = _layernorm_exact if isinstance(layer, nn.LayerNorm) else _groupnorm_exact
+    return _Conv(layer, shape), layer, x, y, lambda x, y: exact(layer, shape, x, y)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_each_other_routes_clip_factor_leaves_room_for_an_independently_counted_rounding(route, monkeypatch):
+    """Convolutions (kernel, patches @ g, stashed formed gradients, a patch convolution's formed ones), Embedding and
+    the normalisation layers: the factor an example gets leaves room for the rounding its route may do, counted above
+    from the shape (K, K' in the comment before _Conv), on inputs whose per-example norm is ~10 C and, on kernel
+    routes, whose terms cancel (S ~ 40 ||G||)."""
+    import workbench.privacy.clipping.book_keeping as book_keeping
+    import workbench.privacy.clipping.layers as layers
+    import workbench.privacy.clipping.layers.conv as conv
+
+    *_, overrides, sums = ROUTES[route]
+    for (rule, attribute), value in overrides.items():
+        monkeypatch.setattr(getattr(layers, rule), attribute, value)
+    factors, summed = [], []
+
+    def clip_spy(*args, **kwargs):
+        factor, rows = real_clip(*args, **kwargs)
+        factors.append((factor.double().clone(), rows))
+        return factor, rows
+
+    def sum_spy(real):
+        def spy(t, factor):
+            summed.append(t.double().clone())
+            return real(t, factor)
+        return spy
+
+    real_clip = book_keeping.clip_factors
+    monkeypatch.setattr(book_keeping, "clip_factors", clip_spy)
+    monkeypatch.setattr(book_keeping, "weighted_sum", sum_spy(book_keeping.weighted_sum))
+    monkeypatch.setattr(conv, "weighted_sum", sum_spy(conv.weighted_sum))
+    model, layer, x, y, exact = _route_case(route, torch.Generator().manual_seed(11))
+    step = GradientStep(model, _inner, setup("gloo"), max_grad_norm=CLIP, noise_multiplier=0.0,
+                        grad_sample_mode="bk", max_physical_batch_size=BATCH)
+    ids = isinstance(layer, nn.Embedding)
+    benign = torch.randint(0, 5, (4, x.shape[1])).float() if ids else torch.randn(4, x.shape[1])
+    step.check((benign, torch.randn(4, y.shape[1])))
+    norm, _, _ = exact(x, y)
+    y = (y.double() * (10 * CLIP / float(norm.norm()))).float()  # ||G|| ~ 10 C: clipped (G is linear in g)
+    factors.clear()
+    summed.clear()
+    released = _released(step, x, y)
+    (factor, rows), = factors
+    assert rows is None or not bool(rows[0]), "the example took the float64 route: nothing of the margin is measured"
+    G, S, positions = exact(x, y)
+    G = float(G.norm())
+    f = float(factor[0])
+    assert 0 < f < 1 and float(released.norm()) <= CLIP * (1 + RHO)
+    if sums == "kernel":
+        chunk = min(BATCH, max(1, layers.KERNEL_ROWS // positions))
+        k = 1 + chunk * positions + math.ceil(BATCH / chunk)
+        assert S > 20 * G  # the inputs cancel: the margin is most of what bounds the release
+        assert f * (G + _gamma(k) * S) <= CLIP * (1 + RHO), (route, f, G, S, k)
+        return
+    (w,) = summed  # the formed per-sample gradients the release is the sum of
+    w = float(w[0].norm())
+    assert abs(w - G) <= _gamma(positions) * S + 1e-6 * G  # (x_hat's own rounding: a few u of it)
+    assert f * w * (1 + _gamma(BATCH + 1)) <= CLIP * (1 + RHO), (route, f, w)
+    if sums == "stash":  # from the inputs alone: ||W|| <= ||G|| + gamma_L S
+        assert S > 20 * G
+        assert f * (G + _gamma(positions) * S) * (1 + _gamma(BATCH + 1)) <= CLIP * (1 + RHO), (route, f, G, S)
+
+
+def _rounding_up(first: float, terms: int) -> np.ndarray:
+    """float32 terms (first, then ~1 each) chosen one at a time so that every partial sum of a sequential float32 sum
+    rounds up by almost half an ulp (the largest one rounding can add), their norms all ~1 (Cauchy-Schwarz tight)."""
+    out = np.empty(terms, dtype=np.float32)
+    out[0] = s = np.float32(first)
+    candidates = np.float32(1) + np.arange(2 ** 13, dtype=np.float32) * np.float32(2.0 ** -23)  # 1 .. 1 + 2^-10
+    for t in range(1, terms):
+        up = (s + candidates).astype(np.float64) - (np.float64(s) + candidates.astype(np.float64))
+        out[t] = candidates[int(np.argmax(up))]
+        s = np.float32(s + out[t])
+    return out
+
+
+def test_a_kernel_sum_whose_every_partial_sum_rounds_up_is_clipped_within_the_clip():
+    """The worst case approached: one id looked up at T = 2048 positions (an Embedding's index_add_ adds the rows one
+    after another: a sequential float32 sum), output gradient rows (v_t, v_t, v_t, v_t) chosen so that every partial
+    sum rounds up by almost half an ulp. Counted from the shape (max_physical_batch_size 1: one chunk of one example)
+    K = 1 + T + 1 = 2050 roundings a term, so gamma_K S bounds the error; a sequential sum only reaches about a third
+    of it (a term added at step t is rounded T - t times, and half an ulp of s is u s to u s / 2). Unclipped (a
+    quarter of the height, exact: powers of two commute with rounding) the measured error is that third; at full
+    height ||G|| < C, yet the unclipped release would be past C (1 + RHO): the factor must be below 1 and the release
+    within C (1 + RHO). With a margin a quarter of gamma_K S (fp-kernel-count-quartered) the factor is 1 and it is
+    not."""
+    positions, scale = 2048, 2.0 ** -11  # ||row sum|| = 2 sum_t v_t 2^-12, ~1 = C
+    for first in np.linspace(0.6, 1.0, 81):  # the first term tunes ||G|| into the window (a handful of tries)
+        v = _rounding_up(float(first), positions)
+        exact = float(v.astype(np.float64).sum()) * scale  # ||G||: exact in float64 (2048 24-bit terms)
+        unclipped = float(np.float32(np.cumsum(v, dtype=np.float32)[-1])) * scale  # sequential float32 running sums
+        if CLIP * (1 + 4 * RHO) < unclipped and exact * (1 + _gamma(2050) / 4) < CLIP * (1 - 4 * RHO):
+            break
+    else:
+        pytest.fail("no first term puts ||G|| in the window")
+    s = exact  # S = sum_t ||g_t|| = ||G||: every row points the same way
+    model = _Ids(nn.Embedding(3, 4))
+    step = GradientStep(model, _inner, setup("gloo"), max_grad_norm=CLIP, noise_multiplier=0.0,
+                        grad_sample_mode="bk", max_physical_batch_size=1)
+    step.check((torch.randint(0, 3, (2, positions)).float(), torch.randn(2, positions * 4)))
+    ids = torch.full((1, positions), 1.0)
+    rows = torch.from_numpy(v).view(positions, 1).expand(positions, 4) * 2.0 ** -12  # exact
+    low = _released(step, ids, (rows / 4).reshape(1, -1))  # ||G|| / 4: not clipped, f = 1
+    measured = float(low.norm()) - exact / 4
+    assert float(low.norm()) == pytest.approx(unclipped / 4, rel=1e-12)  # bit for bit: sequential, as built
+    assert 0.3 * _gamma(2050) * s / 4 <= measured <= _gamma(2050) * s / 4  # a third of the counted bound, within it
+    released = _released(step, ids, rows.reshape(1, -1))
+    assert float(released.norm()) <= CLIP * (1 + RHO) < unclipped  # clipped, and had to be
