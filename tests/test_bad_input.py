@@ -25,7 +25,7 @@ KINDS = [
     (["model=bogus"], "model=bogus is unknown; choose one of cnn, gpt, hf, mlp, resnet_gn, tiny_bert, tiny_gpt2, transformer, vit"),
     (["data=bogus"], "choose one of cifar10, digits, hf_text, synthetic, synthetic_images, synthetic_sequences, "
                      "synthetic_text"),
-    (["privacy=bogus"], "choose one of dp, none"),
+    (["privacy=bogus"], "choose one of bandmf, blt, dp, dpsgd, none"),
     (["backend=bogus"], "backend=bogus is unknown; choose one of auto, cncl, gloo"),
     (["launcher=bogus"], "choose one of inline, local, slurm"),
     (["tracking=bogus"], "choose one of mlflow, off"),
