@@ -211,11 +211,14 @@ def _watch(read_fd: int, previous_fd: int) -> None:
 
 @contextlib.contextmanager
 def signals_interrupt() -> Iterator[None]:
-    """While the block runs (in the main thread, outside submitit), SIGTERM and SIGINT raise :class:`Interrupted`, and
-    each is counted for the job's other ranks as it arrives (see :class:`Peers`)."""
+    """While the block runs (in the main thread), SIGTERM and SIGINT raise :class:`Interrupted`, and each is counted
+    for the job's other ranks as it arrives (see :class:`Peers`). Inside a submitit task the handlers stay submitit's
+    own (launch.py's scancel handler raises Interrupted where the job is ending), but the signals are still counted as
+    they arrive: a scancel stops every task, and one blocked in a collective whose handler has not run yet must not
+    read its peer's leaving as a failure."""
     global _peers, _wakeup_fd
     _peers = Peers()
-    if threading.current_thread() is not threading.main_thread() or os.environ.get("SUBMITIT_EXECUTOR"):
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
     read_fd, write_fd = os.pipe()
@@ -224,7 +227,8 @@ def signals_interrupt() -> Iterator[None]:
     _wakeup_fd = write_fd
     watcher = threading.Thread(target=_watch, args=(read_fd, previous_fd), name="workbench-signals", daemon=True)
     watcher.start()
-    previous = {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {} if os.environ.get("SUBMITIT_EXECUTOR") else \
+        {s: signal.signal(s, _raise) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
